@@ -1,0 +1,192 @@
+"""SimCLR with the InfoNCE, DCL or DCLW loss.
+
+Paper: Yeh et al., "Decoupled Contrastive Learning", ECCV 2022 (shared/papers/EQUATIONS.md sec. 1).
+Two augmented views of every image pass through a ResNet and an MLP projector; each view must pick
+its partner among the 2N-1 other views of the global batch. InfoNCE's gradient carries the
+negative-positive coupling multiplier q_B (Prop. 1); DCL drops the positive from the denominator,
+which removes q_B (Prop. 2); DCLW also up-weights hard positive pairs.
+
+    python simclr_dcl.py --loss dclw                        # one GPU, CIFAR-10 downloaded to ./data
+    torchrun --nproc_per_node=8 simclr_dcl.py --loss dclw   # 8 GPUs, same global batch of 256
+    python simclr_dcl.py --dataset imagefolder --data-dir D --width 8 --epochs 2 --device cpu  # CPU smoke run
+"""
+import argparse
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import common
+from common import all_reduce_sum, gather_with_grad
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_args(parser)
+    parser.add_argument("--loss", choices=["infonce", "dcl", "dclw"], default="dcl",
+                        help="infonce = SimCLR, dcl = DCL Prop. 2, dclw = DCL with the vMF positive weight")
+    parser.add_argument("--temperature", type=common.positive_float, default=0.1, help="tau")
+    parser.add_argument("--sigma", type=common.positive_float, default=0.5, help="DCLW weight temperature")
+    parser.add_argument("--proj-hidden", type=common.positive_int, default=2048, help="projector hidden width")
+    parser.add_argument("--proj-dim", type=common.positive_int, default=128, help="projection dimension D")
+    # SimCLR / DCL CIFAR setting (DESIGN sec. 7): batch 256, 200 epochs, SGD lr 0.06 per 256, wd 5e-4
+    parser.set_defaults(batch_size=256, epochs=200, lr=0.06, wd=5e-4, warmup_epochs=10, crop_scale=(0.08, 1.0))
+    return common.parse_args(parser, argv)
+
+
+# ------------------------------------------------------------------------------ model
+
+class SimCLR(nn.Module):
+    """backbone f (ResNet) + projector g: image -> projection (B, proj_dim), not yet normalised."""
+
+    def __init__(self, arch, width, image_size, proj_hidden=2048, proj_dim=128):
+        super().__init__()
+        self.backbone = common.ResNet(arch, width, image_size)
+        self.projector = nn.Sequential(
+            nn.Linear(self.backbone.out_dim, proj_hidden, bias=False), nn.BatchNorm1d(proj_hidden), nn.ReLU(),
+            nn.Linear(proj_hidden, proj_dim))
+
+    def forward(self, x):
+        return self.projector(self.backbone(x))
+
+
+# ------------------------------------------------------------------------------ loss
+
+def pair_logits(z1, z2, temperature):
+    """Similarities of this rank's 2B anchors with every view of the global batch but themselves.
+
+    z1, z2: (B, D) L2-normalised views of this rank's images.
+    Returns pos (2B,) = <z_i^(1), z_i^(2)>/tau for anchors [z1; z2], logits (2B, 2N) with -inf where
+    an anchor meets itself, and `block`, the (2B, 2B) view of logits on this rank's own columns.
+    """
+    b = z1.shape[0]
+    z = torch.cat([z1, z2])  # (2B, D) this rank's anchors
+    z_all = gather_with_grad(z)  # (2N, D) every rank's [z1; z2], in rank order, with gradient
+    logits = z @ z_all.T / temperature  # (2B, 2N)
+    pos = (z1 * z2).sum(1).repeat(2) / temperature  # (2B,)
+    # This rank's own views are columns [r*2B, (r+1)*2B): each anchor meets itself on that block's
+    # diagonal and its positive on the +-B diagonals. Filling those few entries in place is cheaper
+    # than building a (2B, 2N) mask; it is safe because mm saves its inputs, not its output.
+    start = common.rank() * 2 * b
+    block = logits[:, start:start + 2 * b]
+    block.diagonal().fill_(-math.inf)  # a view is not its own negative
+    return pos, logits, block
+
+
+def contrastive_loss(z1, z2, temperature=0.1, loss="infonce", sigma=0.5):
+    """SimCLR's InfoNCE, DCL or DCLW, mean over the 2N anchors of the global batch -> scalar.
+
+    z1, z2: this rank's (B, D) projections of the two views (normalised here). Every other view
+    of the global batch is a negative (2N-2 per anchor), gathered from all ranks with gradient, so
+    N processes (their losses averaged by DDP) give the gradient of one process on the whole batch.
+      InfoNCE: L_i^(k) = -pos + log(pos + U_{i,k})          U_{i,k} = sum of the 2N-2 negatives
+      DCL:     L_i^(k) = -pos + log U_{i,k}                  (DCL Prop. 2: positive out of the denominator)
+      DCLW:    L_i^(k) = -w_i pos + log U_{i,k}              w_i = 2 - exp(<z_i1,z_i2>/sigma) / mean_j exp(.)
+    with pos = <z_i^(1), z_i^(2)> / tau.
+    """
+    z1, z2 = F.normalize(z1, dim=1), F.normalize(z2, dim=1)
+    b = z1.shape[0]
+    pos, logits, block = pair_logits(z1, z2, temperature)
+    if loss == "infonce":
+        return (torch.logsumexp(logits, 1) - pos).mean()  # log(pos + U) - pos
+    block.diagonal(b).fill_(-math.inf)  # DCL Prop. 2: drop the positive from the denominator
+    block.diagonal(-b).fill_(-math.inf)
+    log_u = torch.logsumexp(logits, 1)  # (2B,) log U_{i,k}
+    if loss == "dcl":
+        return (log_u - pos).mean()
+    if loss != "dclw":
+        raise ValueError(f"unknown loss {loss!r}")
+    # DCLW: negative von Mises-Fisher weight, mean 1 over the global batch; a constant in backward (sg)
+    with torch.no_grad():
+        vmf = torch.exp((z1 * z2).sum(1) / sigma)  # (B,)
+        mean_vmf = all_reduce_sum(vmf.sum()) / (b * common.world_size())
+        w = (2 - vmf / mean_vmf).repeat(2)  # (2B,) the same weight for both views of a pair
+    return (log_u - w * pos).mean()
+
+
+@torch.no_grad()
+def npc_multiplier(z1, z2, temperature=0.1):
+    """q_B per anchor (DCL Eq. 8): q = 1 - pos / (pos + U) = sigmoid(log U - log pos) -> (2B,)."""
+    z1, z2 = F.normalize(z1, dim=1), F.normalize(z2, dim=1)
+    b = z1.shape[0]
+    pos, logits, block = pair_logits(z1, z2, temperature)
+    block.diagonal(b).fill_(-math.inf)
+    block.diagonal(-b).fill_(-math.inf)
+    return torch.sigmoid(torch.logsumexp(logits, 1) - pos)
+
+
+# ------------------------------------------------------------------------------ training step
+
+def train_step(model, optimizer, views, args, ctx):
+    """One SGD step on both views; returns the loss and q_B per anchor (for the Fig. 1 diagnostics)."""
+    x = torch.cat(views)  # (2b, 3, S, S): one forward pass for both views
+    with ctx.autocast():
+        z = model(x)
+    z1, z2 = z.float().chunk(2)  # the loss runs in float32 even under bf16 autocast
+    loss = contrastive_loss(z1, z2, args.temperature, args.loss, args.sigma)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.detach(), npc_multiplier(z1.detach(), z2.detach(), args.temperature)
+
+
+def recipe(args):
+    """SimCLR's CIFAR augmentation (no blur at 32 px; Gaussian blur p=0.5 for larger images)."""
+    return common.Recipe(crop_scale=tuple(args.crop_scale), blur_p=0.5 if args.image_size > 64 else 0.0)
+
+
+# ------------------------------------------------------------------------------ main loop
+
+def main(argv=None):
+    args = parse_args(argv)
+    saved_args = {k: v for k, v in vars(args).items() if k != "checkpoint"}
+    ctx = common.setup(args, "simclr_dcl")
+    data = common.load_data(args, ctx)
+    common.fit_batch_to_data(args, data, ctx)
+    args.image_size = data.image_size
+    model = SimCLR(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim).to(ctx.device)
+    net = common.distribute(model, ctx, args.compile)  # DDP + global BatchNorm; `model` stays the bare module
+    peak_lr = args.lr * args.batch_size / 256
+    optimizer = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=0.9, weight_decay=args.wd,
+                                fused=ctx.device.type == "cuda")
+    start_epoch = 0
+    if args.checkpoint is not None:
+        common.restore(model, args.checkpoint["model"], "model")
+        common.restore(optimizer, args.checkpoint["optimizer"], "optimizer")
+        start_epoch = args.checkpoint["epoch"]
+        args.checkpoint = None
+        ctx.print(f"resumed from {args.out} at epoch {start_epoch}")
+    augment = common.Augment([recipe(args), recipe(args)], data.image_size, data.mean, data.std, ctx)
+    steps = common.steps_per_epoch(data, args.batch_size)
+
+    for epoch in range(start_epoch, args.epochs):
+        generator = common.epoch_generator(args.seed, epoch, ctx.device)
+        meter = common.EpochMeter(ctx, epoch, args.epochs, steps, args.batch_size)
+        batches = common.train_batches(data, epoch, args.batch_size, generator, ctx, args.workers)
+        for step, (images, _) in enumerate(batches):
+            lr = common.learning_rate(epoch * steps + step, args.epochs * steps, args.warmup_epochs * steps, peak_lr)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            views = augment(images, generator)
+            loss, q = train_step(net, optimizer, views, args, ctx)
+            meter.update(lr, loss=loss, npc_mean=q.mean(), npc_sq=(q * q).mean())
+        record = meter.summary()
+        # DCL Fig. 1: mean NPC multiplier <q_B> and its coefficient of variation over the epoch
+        npc_sq = record.pop("npc_sq")
+        record["npc_cv"] = math.sqrt(max(npc_sq - record["npc_mean"] ** 2, 0.0)) / max(record["npc_mean"], 1e-12)
+        if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
+            record.update(common.evaluate(model.backbone, data, ctx, args))
+        common.log_epoch(ctx, record)
+        common.save_checkpoint(ctx, {"args": saved_args, "epoch": epoch + 1, "model": model.state_dict(),
+                                     "optimizer": optimizer.state_dict()})
+        if args.stop_after and epoch + 1 >= args.stop_after and epoch + 1 < args.epochs:
+            ctx.print(f"stopped after epoch {epoch + 1} (--stop-after); continue with --resume {args.out}")
+            return
+
+    results = common.evaluate(model.backbone, data, ctx, args, final=True)
+    common.finish(ctx, model.backbone, results)
+
+
+if __name__ == "__main__":
+    common.run(main)
