@@ -281,11 +281,14 @@ class GatherBatchNorm(nn.modules.batchnorm._BatchNorm):
             return super().forward(x)
         dims = [0] + list(range(2, x.dim()))
         shape = [1, -1] + [1] * (x.dim() - 2)
-        local = torch.stack([x.sum(dims), (x * x).sum(dims)])[None]  # (1, 2, C)
-        sums = gather_with_grad(local).sum(0)  # (2, C)
+        # Per-rank mean and sum of squared deviations, combined across ranks (Chan et al.): stable
+        # where E[x^2] - mean^2 would cancel. Equal batch sizes on every rank make the mean a plain average.
+        local_mean = x.mean(dims)
+        local_m2 = ((x - local_mean.view(shape)) ** 2).sum(dims)
+        stats = gather_with_grad(torch.stack([local_mean, local_m2])[None])  # (world, 2, C)
+        mean = stats[:, 0].mean(0)
         count = x.numel() // x.shape[1] * dist.get_world_size()
-        mean = sums[0] / count
-        var = sums[1] / count - mean * mean
+        var = (stats[:, 1].sum(0) + (x.numel() // x.shape[1]) * ((stats[:, 0] - mean) ** 2).sum(0)) / count
         with torch.no_grad():
             self.num_batches_tracked += 1
             self.running_mean.lerp_(mean, self.momentum)
@@ -443,9 +446,9 @@ def _torchvision_set(name, root, ctx, **kwargs):
             dist.barrier()
         return cls(root, download=False, **kwargs)
     except Exception as error:  # URLError, RuntimeError("Dataset not found or corrupted"), ...
-        raise UserError(f"no {name} copy in {root} and it could not be downloaded "
-                        f"({type(error).__name__}: {str(error)[:80]}); put the dataset there or "
-                        f"give --data-dir a folder that has it") from None
+        raise UserError(f"no {name} in {root} and it could not be downloaded ({type(error).__name__}); "
+                        f"put {cls.filename} or its extracted {cls.base_folder}/ there, or point "
+                        f"--data-dir at a folder that has it") from None
 
 
 def _as_tensors(dataset, limit=None):

@@ -80,29 +80,39 @@ def contrastive_loss(z1, z2, temperature=0.1, loss="infonce", sigma=0.5):
     z1, z2: this rank's (B, D) projections of the two views (normalised here). Every other view
     of the global batch is a negative (2N-2 per anchor), gathered from all ranks with gradient, so
     N processes (their losses averaged by DDP) give the gradient of one process on the whole batch.
-      InfoNCE: L_i^(k) = -pos + log(pos + U_{i,k})          U_{i,k} = sum of the 2N-2 negatives
-      DCL:     L_i^(k) = -pos + log U_{i,k}                  (DCL Prop. 2: positive out of the denominator)
-      DCLW:    L_i^(k) = -w_i pos + log U_{i,k}              w_i = 2 - exp(<z_i1,z_i2>/sigma) / mean_j exp(.)
-    with pos = <z_i^(1), z_i^(2)> / tau.
+    """
+    return anchor_losses(z1, z2, temperature, loss, sigma).mean()
+
+
+def anchor_losses(z1, z2, temperature=0.1, loss="infonce", sigma=0.5):
+    """The loss of each of this rank's 2B anchors [z1; z2] -> (2B,), with pos = <z_i^(1), z_i^(2)>/tau:
+      InfoNCE: L_i^(k) = -pos + log(exp(pos) + U_{i,k})      U_{i,k} = sum over the 2N-2 negatives
+      DCL:     L_i^(k) = -pos + log U_{i,k}                   (DCL Prop. 2: positive out of the denominator)
+      DCLW:    L_i^(k) = -w_i * pos + log U_{i,k}             (w_i from dclw_weights, a constant in backward)
     """
     z1, z2 = F.normalize(z1, dim=1), F.normalize(z2, dim=1)
     b = z1.shape[0]
     pos, logits, block = pair_logits(z1, z2, temperature)
     if loss == "infonce":
-        return (torch.logsumexp(logits, 1) - pos).mean()  # log(pos + U) - pos
+        return torch.logsumexp(logits, 1) - pos
     block.diagonal(b).fill_(-math.inf)  # DCL Prop. 2: drop the positive from the denominator
     block.diagonal(-b).fill_(-math.inf)
     log_u = torch.logsumexp(logits, 1)  # (2B,) log U_{i,k}
     if loss == "dcl":
-        return (log_u - pos).mean()
-    if loss != "dclw":
-        raise ValueError(f"unknown loss {loss!r}")
-    # DCLW: negative von Mises-Fisher weight, mean 1 over the global batch; a constant in backward (sg)
-    with torch.no_grad():
-        vmf = torch.exp((z1 * z2).sum(1) / sigma)  # (B,)
-        mean_vmf = all_reduce_sum(vmf.sum()) / (b * common.world_size())
-        w = (2 - vmf / mean_vmf).repeat(2)  # (2B,) the same weight for both views of a pair
-    return (log_u - w * pos).mean()
+        return log_u - pos
+    if loss == "dclw":
+        return log_u - dclw_weights(z1, z2, sigma).repeat(2) * pos
+    raise ValueError(f"unknown loss {loss!r}")
+
+
+@torch.no_grad()  # the weight is a constant in backward (sg), as in the paper's weighting function
+def dclw_weights(z1, z2, sigma=0.5):
+    """DCLW's negative von Mises-Fisher weight per pair -> (B,), mean 1 over the GLOBAL batch:
+    w_i = 2 - exp(<z_i^(1), z_i^(2)>/sigma) / mean_j exp(<z_j^(1), z_j^(2)>/sigma)."""
+    z1, z2 = F.normalize(z1, dim=1), F.normalize(z2, dim=1)
+    vmf = torch.exp((z1 * z2).sum(1) / sigma)  # (B,)
+    mean_vmf = all_reduce_sum(vmf.sum()) / (len(vmf) * common.world_size())
+    return 2 - vmf / mean_vmf
 
 
 @torch.no_grad()
@@ -123,7 +133,7 @@ def train_step(model, optimizer, views, args, ctx):
     x = torch.cat(views)  # (2b, 3, S, S): one forward pass for both views
     with ctx.autocast():
         z = model(x)
-    z1, z2 = z.float().chunk(2)  # the loss runs in float32 even under bf16 autocast
+    z1, z2 = z.to(torch.promote_types(z.dtype, torch.float32)).chunk(2)  # loss in >= float32 under bf16 autocast
     loss = contrastive_loss(z1, z2, args.temperature, args.loss, args.sigma)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()

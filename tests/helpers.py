@@ -1,0 +1,68 @@
+"""Helpers shared by the tests: a tiny generated ImageFolder, running the real scripts in a
+subprocess (plain python or torchrun), and running a test function in 2 gloo processes."""
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+
+
+def tiny_image_folder(root, classes=3, train_per_class=24, val_per_class=6, height=20, width=24, seed=0):
+    """Write DATA/{train,val}/class<c>/<i>.png: noisy images whose dominant colour is the class."""
+    from torchvision.transforms.functional import to_pil_image
+    generator = torch.Generator().manual_seed(seed)
+    for split, count in (("train", train_per_class), ("val", val_per_class)):
+        for c in range(classes):
+            folder = os.path.join(root, split, f"class{c}")
+            os.makedirs(folder, exist_ok=True)
+            for i in range(count):
+                image = torch.rand(3, height, width, generator=generator) * 90
+                image[c % 3] += 150
+                to_pil_image(image.clamp(0, 255).to(torch.uint8)).save(os.path.join(folder, f"{i}.png"))
+    return root
+
+
+def smoke_args(data_dir, out, *extra):
+    """The tiny-CPU option set: width 8, 16 px images, small batch, a short linear probe."""
+    return ["--dataset", "imagefolder", "--data-dir", str(data_dir), "--image-size", "16", "--width", "8",
+            "--epochs", "1", "--batch-size", "16", "--device", "cpu", "--linear-epochs", "2",
+            "--workers", "0", "--out", str(out), *extra]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, TESTS]))
+    env.pop("WORLD_SIZE", None)
+    env.pop("RANK", None)
+    return env
+
+
+def torchrun(nproc):
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            f"--master_port={free_port()}", "--master_addr=127.0.0.1"]
+
+
+def run_script(script, args, nproc=1, timeout=600):
+    """Run ROOT/script as `python` (nproc=1) or under torchrun; returns the CompletedProcess."""
+    launcher = [sys.executable] if nproc == 1 else torchrun(nproc)
+    return subprocess.run(launcher + [os.path.join(ROOT, script), *map(str, args)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_distributed(module, function, tmp_path, nproc=2, timeout=600):
+    """Run tests/<module>.py:<function>() in `nproc` gloo processes; returns each rank's result."""
+    out = os.path.join(str(tmp_path), f"{function}.result")
+    worker = os.path.join(TESTS, "dist_worker.py")
+    done = subprocess.run(torchrun(nproc) + [worker, module, function, out], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(nproc)]

@@ -1,0 +1,449 @@
+"""NNCLR + DCL (EQUATIONS.md section 4): the loss with nearest-neighbour positives, the support set,
+distributed equivalence, exact resume and smoke runs of nnclr_dcl.py.
+
+Identities run in float64. The anchors NN(z) are constants; gradients are taken with respect to
+the predictions p, the only path by which the loss trains the network.
+"""
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import common
+import nnclr_dcl
+from helpers import run_distributed, run_script, smoke_args
+from nnclr_dcl import SupportSet, anchor_losses, dclw_weights, nearest_neighbour, nnclr_loss
+
+TAU = 0.1
+SMALL_HEADS = ("--proj-hidden", "32", "--pred-hidden", "32", "--proj-dim", "16")
+
+
+def views_and_predictions(b=6, d=8, seed=0, noise=0.8):
+    """Projections z1, z2 of two views and predictions p1, p2 near them, (B, D) each."""
+    g = torch.Generator().manual_seed(seed)
+    z1 = torch.randn(b, d, generator=g, dtype=torch.float64)
+    z2 = z1 + noise * torch.randn(b, d, generator=g, dtype=torch.float64)
+    p1 = z1 + noise * torch.randn(b, d, generator=g, dtype=torch.float64)
+    p2 = z2 + noise * torch.randn(b, d, generator=g, dtype=torch.float64)
+    return z1, z2, p1, p2
+
+
+def random_support_set(q=20, d=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return F.normalize(torch.randn(q, d, generator=g, dtype=torch.float64), dim=1)
+
+
+def brute_force_nn(z, support_set):
+    """NN(z) = argmax_{s in Q} cos(z, s), one row at a time."""
+    rows = [max(range(len(support_set)), key=lambda k: F.cosine_similarity(zi, support_set[k], dim=0).item())
+            for zi in z]
+    return support_set[rows]
+
+
+def naive_losses(a1, a2, p1, p2, temperature, loss, sigma=0.5):
+    """EQUATIONS sec. 4 anchor by anchor with explicit index sets -> (2B,): anchor a1_i picks
+    p_i^(2) among all p_j^(2); anchor a2_i picks p_i^(1) among all p_j^(1)."""
+    out = []
+    for anchors, partners in ((a1, F.normalize(p2, dim=1)), (a2, F.normalize(p1, dim=1))):
+        b = len(anchors)
+        cos = torch.stack([anchors[i] @ partners[i] for i in range(b)])
+        vmf = torch.exp(cos.detach() / sigma)
+        w = 2 - vmf / vmf.mean()
+        for i in range(b):
+            pos = cos[i] / temperature
+            log_u = torch.logsumexp(torch.stack([anchors[i] @ partners[j] / temperature for j in range(b) if j != i]), 0)
+            out.append({"infonce": -pos + torch.logaddexp(pos, log_u), "dcl": -pos + log_u,
+                        "dclw": -w[i] * pos + log_u}[loss])
+    return torch.stack(out)
+
+
+def npc_multiplier(a1, a2, p1, p2, temperature=TAU):
+    """q_i = 1 - exp(pos) / (exp(pos) + U_i) per anchor (DCL Eq. 8 with the NN positives) -> (2B,)."""
+    with torch.no_grad():
+        dcl, infonce = naive_losses(a1, a2, p1, p2, temperature, "dcl"), naive_losses(a1, a2, p1, p2, temperature, "infonce")
+        # InfoNCE - DCL = log(exp(pos) + U) - log U = -log q
+        return torch.exp(dcl - infonce)
+
+
+def prediction_gradients(nn1, nn2, p1, p2, anchor, loss, sigma=0.5):
+    """Autograd gradient of one anchor's loss with respect to p1 and p2."""
+    p1, p2 = p1.clone().requires_grad_(), p2.clone().requires_grad_()
+    anchor_losses(nn1, nn2, p1, p2, TAU, loss, sigma)[anchor].backward()
+    return p1.grad, p2.grad
+
+
+# ------------------------------------------------------------------------------ identities
+
+def test_nearest_neighbour_is_the_most_cosine_similar_support_row():
+    """NN(z) = argmax_{s in Q} <z, s> over unit rows: a row of Q itself, whatever the norm of z."""
+    z1, _, _, _ = views_and_predictions(b=7)
+    support_set = random_support_set()
+    nn = nearest_neighbour(z1, support_set)
+    assert torch.equal(nn, brute_force_nn(z1, support_set))
+    assert torch.equal(nearest_neighbour(5.0 * z1, support_set), nn)
+
+
+@pytest.mark.parametrize("loss", ["infonce", "dcl", "dclw"])
+def test_support_set_holding_the_batch_gives_the_plain_loss(loss):
+    """EQUATIONS sec. 4: Q = {z of the batch} => NN(z) = z, and the loss is the plain loss between
+    z^(1) and p^(2) (and z^(2), p^(1)), value and gradient."""
+    z1, z2, p1, p2 = views_and_predictions(seed=2)
+    z1, z2 = F.normalize(z1, dim=1), F.normalize(z2, dim=1)
+    support_set = torch.cat([z1, z2])
+    assert torch.equal(nearest_neighbour(torch.cat([z1, z2]), support_set), support_set)
+    a1, a2 = p1.clone().requires_grad_(), p2.clone().requires_grad_()
+    n1, n2 = p1.clone().requires_grad_(), p2.clone().requires_grad_()
+    fast = nnclr_loss(z1, z2, a1, a2, support_set, TAU, loss)
+    plain = naive_losses(z1, z2, n1, n2, TAU, loss).mean()
+    fast.backward()
+    plain.backward()
+    assert torch.allclose(fast, plain, atol=1e-12)
+    assert torch.allclose(a1.grad, n1.grad, atol=1e-12) and torch.allclose(a2.grad, n2.grad, atol=1e-12)
+    if loss == "infonce":  # and InfoNCE is the cross-entropy of picking p_i^(2) among the batch
+        logits = z1 @ F.normalize(p2, dim=1).T / TAU
+        expect = (F.cross_entropy(logits, torch.arange(6)) +
+                  F.cross_entropy(z2 @ F.normalize(p1, dim=1).T / TAU, torch.arange(6))) / 2
+        assert torch.allclose(fast, expect, atol=1e-12)
+
+
+@pytest.mark.parametrize("loss", ["infonce", "dcl", "dclw"])
+def test_fast_loss_equals_explicit_formula_with_nn_positives(loss):
+    """With a support set of other vectors, the masked batched loss equals the anchor-by-anchor
+    formula with the brute-force neighbours as anchors, value and gradient."""
+    z1, z2, p1, p2 = views_and_predictions(seed=3)
+    support_set = random_support_set(seed=4)
+    nn1, nn2 = brute_force_nn(z1, support_set), brute_force_nn(z2, support_set)
+    assert not torch.equal(nn1, F.normalize(z1, dim=1))
+    a1, a2 = p1.clone().requires_grad_(), p2.clone().requires_grad_()
+    n1, n2 = p1.clone().requires_grad_(), p2.clone().requires_grad_()
+    fast = anchor_losses(nn1, nn2, a1, a2, TAU, loss)
+    naive = naive_losses(nn1, nn2, n1, n2, TAU, loss)
+    fast.sum().backward()
+    naive.sum().backward()
+    assert torch.allclose(fast, naive, atol=1e-12)
+    assert torch.allclose(a1.grad, n1.grad, atol=1e-12) and torch.allclose(a2.grad, n2.grad, atol=1e-12)
+    assert torch.allclose(nnclr_loss(z1, z2, p1, p2, support_set, TAU, loss), naive.mean(), atol=1e-12)
+
+
+def test_prop2_dcl_gradient_is_infonce_gradient_without_q_with_nn_positives():
+    """DCL Prop. 2 with NN positives: grad InfoNCE_i = q_i * grad L_DC,i for every prediction, every anchor."""
+    z1, z2, p1, p2 = views_and_predictions(seed=5)
+    support_set = random_support_set(seed=6)
+    nn1, nn2 = nearest_neighbour(z1, support_set), nearest_neighbour(z2, support_set)
+    q = npc_multiplier(nn1, nn2, p1, p2)
+    for anchor in range(2 * len(z1)):
+        n1, n2 = prediction_gradients(nn1, nn2, p1, p2, anchor, "infonce")
+        d1, d2 = prediction_gradients(nn1, nn2, p1, p2, anchor, "dcl")
+        assert torch.allclose(n1, q[anchor] * d1, atol=1e-12)
+        assert torch.allclose(n2, q[anchor] * d2, atol=1e-12)
+        assert max(d1.abs().max(), d2.abs().max()) > 1e-3  # the identity is not 0 = 0
+
+
+def test_infonce_equals_dcl_minus_log_q_with_nn_positives():
+    """Value: InfoNCE_i = L_DC,i - log q_i, with q_i = 1 - exp(pos)/(exp(pos) + U_i) computed from its
+    definition; hence DCL <= InfoNCE anchor by anchor."""
+    z1, z2, p1, p2 = views_and_predictions(seed=7)
+    support_set = random_support_set(seed=8)
+    nn1, nn2 = nearest_neighbour(z1, support_set), nearest_neighbour(z2, support_set)
+    p2n = F.normalize(p2, dim=1)
+    pos = torch.exp(nn1 @ p2n.T / TAU)  # (B, B): column j is exp(<NN(z_i^(1)), p_j^(2)>/tau)
+    q1 = 1 - pos.diagonal() / pos.sum(1)  # the first direction's anchors, straight from Eq. 8
+    infonce, dcl = anchor_losses(nn1, nn2, p1, p2, TAU, "infonce"), anchor_losses(nn1, nn2, p1, p2, TAU, "dcl")
+    assert torch.allclose(infonce[:6], dcl[:6] - torch.log(q1), atol=1e-12)
+    assert torch.allclose(infonce, dcl - torch.log(npc_multiplier(nn1, nn2, p1, p2)), atol=1e-12)
+    assert (dcl < infonce).all()
+
+
+@pytest.mark.parametrize("sigma", [0.1, 0.5, 2.0])
+def test_dclw_weights_have_mean_one(sigma):
+    """E[w] = 1 per direction for any sigma; the hardest positive pair gets the largest weight."""
+    similarity = 2 * torch.rand(2, 32, generator=torch.Generator().manual_seed(9), dtype=torch.float64) - 1
+    w = dclw_weights(similarity, sigma)
+    assert torch.allclose(w.mean(1), torch.ones(2, dtype=torch.float64), atol=1e-12)
+    assert (w.argmax(1) == similarity.argmin(1)).all() and (w.argmin(1) == similarity.argmax(1)).all()
+
+
+def test_dclw_tends_to_dcl_as_sigma_grows():
+    """w -> 1 and L_DCW -> L_DC, value and gradient, as sigma -> inf; not so at sigma = 0.5."""
+    z1, z2, p1, p2 = views_and_predictions(seed=10)
+    support_set = random_support_set(seed=11)
+    nn1, nn2 = nearest_neighbour(z1, support_set), nearest_neighbour(z2, support_set)
+    for anchor in range(2 * len(z1)):
+        w1, w2 = prediction_gradients(nn1, nn2, p1, p2, anchor, "dclw", sigma=1e9)
+        d1, d2 = prediction_gradients(nn1, nn2, p1, p2, anchor, "dcl")
+        assert torch.allclose(w1, d1, atol=1e-7) and torch.allclose(w2, d2, atol=1e-7)
+    dcl = nnclr_loss(z1, z2, p1, p2, support_set, TAU, "dcl")
+    assert abs(nnclr_loss(z1, z2, p1, p2, support_set, TAU, "dclw", 1e9) - dcl) < 1e-7
+    assert abs(nnclr_loss(z1, z2, p1, p2, support_set, TAU, "dclw", 0.5) - dcl) > 1e-4
+
+
+@pytest.mark.parametrize("loss", ["infonce", "dcl", "dclw"])
+def test_swapping_the_views_leaves_the_loss_unchanged(loss):
+    """The loss is symmetrised: (z1, p1) <-> (z2, p2) gives the same value."""
+    z1, z2, p1, p2 = views_and_predictions(seed=12)
+    support_set = random_support_set(seed=13)
+    assert torch.allclose(nnclr_loss(z1, z2, p1, p2, support_set, TAU, loss),
+                          nnclr_loss(z2, z1, p2, p1, support_set, TAU, loss), atol=1e-12)
+
+
+def test_no_gradient_into_the_support_set_or_through_the_lookup():
+    """NN(z) is a constant: the support set and the projections z get no gradient from the loss;
+    the predictions do."""
+    z1, z2, p1, p2 = (t.clone().requires_grad_() for t in views_and_predictions(seed=14))
+    support_set = random_support_set(seed=15).requires_grad_()
+    nnclr_loss(z1, z2, p1, p2, support_set, TAU, "dclw").backward()
+    assert z1.grad is None and z2.grad is None and support_set.grad is None
+    assert p1.grad.abs().max() > 1e-3 and p2.grad.abs().max() > 1e-3
+
+
+# ------------------------------------------------------------------------------ support set
+
+def test_support_set_is_a_fifo_that_wraps_around_without_dropping_rows():
+    """Rows enter in order; past the end they wrap to the front, overwriting the oldest rows, and
+    every row of a batch is kept. Stored rows carry no autograd history."""
+    support = SupportSet(5, 2, torch.device("cpu"))
+    assert (support.labels == -1).all() and torch.allclose(support.z.norm(dim=1), torch.ones(5))
+    batch = lambda start, n: (torch.arange(start, start + n).float()[:, None].repeat(1, 2), torch.arange(start, start + n))
+    support.push(*batch(0, 3))
+    assert support.ptr == 3 and support.labels.tolist() == [0, 1, 2, -1, -1]
+    z, labels = batch(3, 4)
+    support.push(z.requires_grad_(), labels)  # rows 3, 4, then 0, 1: the oldest (0, 1) go
+    assert support.ptr == 2 and support.labels.tolist() == [5, 6, 2, 3, 4]
+    assert support.z[:, 0].tolist() == [5, 6, 2, 3, 4] and not support.z.requires_grad
+    support.push(*batch(7, 5))  # exactly a full turn
+    assert support.ptr == 2 and support.labels.tolist() == [10, 11, 7, 8, 9]
+    with pytest.raises(ValueError):
+        support.push(*batch(0, 6))
+
+
+def test_support_set_state_dict_round_trip():
+    a, b = SupportSet(6, 3, torch.device("cpu"), seed=1), SupportSet(6, 3, torch.device("cpu"), seed=2)
+    a.push(torch.ones(4, 3), torch.arange(4))
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(a.z, b.z) and torch.equal(a.labels, b.labels) and a.ptr == b.ptr == 4
+    with pytest.raises(common.UserError):
+        SupportSet(7, 3, torch.device("cpu")).load_state_dict(a.state_dict())
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    return nnclr_dcl.NNCLR("resnet18", 4, 8, proj_hidden=16, proj_dim=8, pred_hidden=16)
+
+
+def step_args(loss="dclw"):
+    return type("Args", (), {"temperature": TAU, "loss": loss, "sigma": 0.5})
+
+
+def test_train_step_minimises_nnclr_loss_then_enqueues_z1_and_counts_same_class_neighbours():
+    """train_step's loss is nnclr_loss of the model's z, p against the support set before the step;
+    afterwards the support set holds the batch's unit z^(1) at its pointer; the diagnostic counts
+    labelled anchors (label >= 0) whose neighbour has their label."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = tiny_model()
+        ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(16)
+        views = [torch.randn(6, 3, 8, 8, generator=g) for _ in range(2)]
+        labels = torch.tensor([0, 1, 2, 0, -1, 1])
+        support = SupportSet(10, 8, torch.device("cpu"), seed=3)
+        support.labels[:] = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
+        before = support.z.clone()
+        z, p = model(torch.cat(views))
+        expect = nnclr_loss(*z.chunk(2), *p.chunk(2), before, TAU, "dclw")
+        z = F.normalize(z.detach(), dim=1)
+        nn_rows = (z @ before.T).argmax(1)
+        anchor_labels = labels.repeat(2)
+        expect_same = sum(int(a >= 0 and support.labels[r] == a) for a, r in zip(anchor_labels.tolist(), nn_rows.tolist()))
+        loss, same_class, labelled = nnclr_dcl.train_step(model, optimizer, views, labels, support, step_args(), ctx)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert torch.allclose(loss, expect, atol=1e-12)
+    assert same_class.item() == expect_same and labelled.item() == 10
+    assert support.ptr == 6 and torch.allclose(support.z[:6], z[:6], atol=1e-12)
+    assert torch.equal(support.z[6:], before[6:]) and support.labels[:6].tolist() == labels.tolist()
+
+
+# ------------------------------------------------------------------------------ 2 processes == 1 process
+
+def _global_batch(seed=17, n=8, d=8):
+    z1, z2, p1, p2 = views_and_predictions(b=n, d=d, seed=seed)
+    return z1, z2, p1, p2, random_support_set(q=12, d=d, seed=seed)
+
+
+def _loss_and_grads(z1, z2, p1, p2, support_set):
+    out = {}
+    for loss in ("infonce", "dcl", "dclw"):
+        a, b = p1.clone().requires_grad_(), p2.clone().requires_grad_()
+        value = nnclr_loss(z1, z2, a, b, support_set, TAU, loss)
+        value.backward()
+        out[loss] = (value.detach(), a.grad, b.grad)
+    nn1 = nearest_neighbour(z1, support_set)
+    out["weights"] = dclw_weights((nn1 * F.normalize(p2, dim=1)).sum(1), 0.5)
+    return out
+
+
+def _train_three_steps(ctx, rows):
+    """3 real train_steps (DCLW) on a width-4 model, float64, support set of 12 rows and a global
+    batch of 8 (so it wraps); returns parameters, support set, losses and diagnostic counts."""
+    model = tiny_model()
+    net = common.distribute(model, ctx)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=5e-4)
+    support = SupportSet(12, 8, torch.device("cpu"), seed=5)
+    g = torch.Generator().manual_seed(18)
+    history = []
+    for _ in range(3):
+        views = [torch.randn(8, 3, 8, 8, generator=g)[rows] for _ in range(2)]
+        labels = torch.randint(-1, 3, (8,), generator=g)[rows]
+        history.append(torch.stack([t.double() for t in nnclr_dcl.train_step(net, optimizer, views, labels, support,
+                                                                           step_args(), ctx)]))
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return params, support.state_dict(), torch.stack(history)  # history: (3 steps, [loss, same, labelled])
+
+
+def _worker():
+    torch.set_default_dtype(torch.float64)
+    rank = common.rank()
+    rows = slice(rank * 4, rank * 4 + 4)
+    z1, z2, p1, p2, support_set = _global_batch()
+    losses = _loss_and_grads(z1[rows], z2[rows], p1[rows], p2[rows], support_set)
+    support = SupportSet(12, 8, torch.device("cpu"))
+    support.push(z1[rows], torch.arange(8)[rows])
+    support.push(z2[rows], torch.arange(8, 16)[rows])
+    ctx = common.Context(rank, 2, 0, torch.device("cpu"), out="", amp=False)
+    return {"losses": losses, "push": support.state_dict(), "train": _train_three_steps(ctx, rows)}
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """One torchrun launch for all 2-process checks."""
+    return run_distributed("test_nnclr_dcl", "_worker", tmp_path_factory.mktemp("dist"))
+
+
+def test_two_processes_give_the_loss_and_gradients_of_one(two_processes):
+    """Per-rank losses average to the 1-process loss; each rank's gradient / world equals the
+    1-process gradient of its rows (the predictions are gathered with gradient); the DCLW weights
+    are normalised over the global batch."""
+    z1, z2, p1, p2, support_set = _global_batch()
+    single = _loss_and_grads(z1, z2, p1, p2, support_set)
+    ranks = [r["losses"] for r in two_processes]
+    for loss in ("infonce", "dcl", "dclw"):
+        value, g1, g2 = single[loss]
+        assert abs((ranks[0][loss][0] + ranks[1][loss][0]) / 2 - value) < 1e-12
+        assert torch.allclose(torch.cat([r[loss][1] for r in ranks]) / 2, g1, atol=1e-12)
+        assert torch.allclose(torch.cat([r[loss][2] for r in ranks]) / 2, g2, atol=1e-12)
+    assert torch.allclose(torch.cat([r["weights"] for r in ranks]), single["weights"], atol=1e-12)
+
+
+def test_support_set_takes_every_ranks_rows(two_processes):
+    """After two pushes of a global batch of 8 into 12 rows, both ranks hold the support set of one
+    process pushing all 8 rows each time: rank 0's rows then rank 1's, the second batch wrapped."""
+    z1, z2, *_ = _global_batch()
+    single = SupportSet(12, 8, torch.device("cpu"))
+    single.z = single.z.double()
+    single.push(z1, torch.arange(8))
+    single.push(z2, torch.arange(8, 16))
+    assert single.labels.tolist() == [12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11] and single.ptr == 4
+    for rank in two_processes:
+        assert torch.equal(rank["push"]["labels"], single.labels) and rank["push"]["ptr"] == single.ptr
+        assert torch.equal(rank["push"]["z"], single.z)
+
+
+def test_two_processes_train_like_one_process(two_processes):
+    """3 DDP steps on 2 ranks (global BatchNorm, gathered predictions, global support set and DCLW
+    weights) leave the model and the support set where 3 steps of one process leave them."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        params, support, history = _train_three_steps(common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False),
+                                                      slice(0, 8))
+        initial = tiny_model().state_dict()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    moved = 0.0
+    for rank_params, rank_support, rank_history in (r["train"] for r in two_processes):
+        for key, value in params.items():
+            assert torch.allclose(rank_params[key], value, atol=1e-10), key
+            moved = max(moved, (value.double() - initial[key]).abs().max().item())
+        assert torch.allclose(rank_support["z"], support["z"], atol=1e-10)
+        assert torch.equal(rank_support["labels"], support["labels"]) and rank_support["ptr"] == support["ptr"] == 0
+    ranks = torch.stack([r["train"][2] for r in two_processes])  # (2, 3, 3)
+    assert torch.allclose(ranks[:, :, 0].mean(0), history[:, 0], atol=1e-10)  # losses average
+    assert torch.equal(ranks[:, :, 1:].sum(0), history[:, 1:])  # diagnostic counts add up
+    assert moved > 1e-3 and history[1:, 1].sum() > 0  # the steps moved the model; some neighbours match
+
+
+# ------------------------------------------------------------------------------ runs
+
+def tiny_run(folder, out, *extra):
+    return smoke_args(folder, out, *SMALL_HEADS, "--support-size", "40", *extra)
+
+
+def test_resume_restores_the_support_set_exactly(tiny_folder, tmp_path):
+    """Stop after epoch 1, --resume, finish epoch 2: model, optimizer and support set are
+    bit-for-bit those of an uninterrupted 2-epoch run (4 steps of 16 per epoch into 40 rows: wraps)."""
+    nnclr_dcl.main(tiny_run(tiny_folder, tmp_path / "cut", "--epochs", "2", "--stop-after", "1", "--linear-epochs", "0"))
+    assert not os.path.exists(tmp_path / "cut" / "results.json")
+    nnclr_dcl.main(["--resume", str(tmp_path / "cut")])
+    nnclr_dcl.main(tiny_run(tiny_folder, tmp_path / "whole", "--epochs", "2", "--linear-epochs", "0"))
+    cut = torch.load(tmp_path / "cut" / "checkpoint.pt")
+    whole = torch.load(tmp_path / "whole" / "checkpoint.pt")
+    assert cut["epoch"] == whole["epoch"] == 2
+    assert cut["support_set"]["ptr"] == whole["support_set"]["ptr"] == 128 % 40
+    assert torch.equal(cut["support_set"]["z"], whole["support_set"]["z"])
+    assert torch.equal(cut["support_set"]["labels"], whole["support_set"]["labels"])
+    assert (whole["support_set"]["labels"] >= 0).all()  # every random initial row was replaced
+    for key, value in whole["model"].items():
+        assert torch.equal(cut["model"][key], value), key
+    for a, b in zip(cut["optimizer"]["state"].values(), whole["optimizer"]["state"].values()):
+        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+
+
+def test_bad_input_is_a_user_error(tiny_folder, tmp_path):
+    """A support set smaller than the batch, and --resume of another script's checkpoint."""
+    with pytest.raises(common.UserError, match="support-size"):
+        nnclr_dcl.main(smoke_args(tiny_folder, tmp_path / "a", "--support-size", "8"))
+    os.makedirs(tmp_path / "b")
+    torch.save({"args": {"loss": "dcl"}, "epoch": 1, "model": {}}, tmp_path / "b" / "checkpoint.pt")
+    with pytest.raises(common.UserError, match="not a checkpoint of nnclr_dcl"):
+        nnclr_dcl.main(["--resume", str(tmp_path / "b")])
+
+
+def check_run_folder(out, epochs):
+    assert {"config.json", "metrics.jsonl", "checkpoint.pt", "backbone.pt", "results.json"} <= set(os.listdir(out))
+    lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [line["epoch"] for line in lines] == list(range(1, epochs + 1))
+    for line in lines:
+        assert math.isfinite(line["loss"]) and 0 <= line["nn_same_class"] <= 1
+    results = json.load(open(os.path.join(out, "results.json")))
+    assert {"knn_top1", "knn_k1_top1", "linear_top1"} <= results.keys()
+    return lines, results
+
+
+@pytest.mark.parametrize("loss", ["infonce", "dcl"])
+def test_each_loss_trains_in_process(tiny_folder, tmp_path, loss):
+    nnclr_dcl.main(tiny_run(tiny_folder, tmp_path, "--loss", loss))
+    lines, results = check_run_folder(tmp_path, 1)
+    assert {"nn_same_class", "knn_top1", "images_per_s", "lr"} <= lines[0].keys()
+
+
+def test_smoke_python_and_torchrun_agree(tiny_folder, tmp_path):
+    """The acceptance run with --loss dclw, as `python` and as `torchrun --nproc_per_node=2`: both
+    write the run folder with the neighbour diagnostic, and train the same model."""
+    args = lambda out: tiny_run(tiny_folder, out, "--epochs", "2", "--loss", "dclw")
+    one = run_script("nnclr_dcl.py", args(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_script("nnclr_dcl.py", args(tmp_path / "two"), nproc=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "final kNN top-1 (k=200)" in one.stdout and "linear probe top-1" in one.stdout
+    lines1, _ = check_run_folder(tmp_path / "one", 2)
+    lines2, _ = check_run_folder(tmp_path / "two", 2)
+    for a, b in zip(lines1, lines2):
+        assert abs(a["loss"] - b["loss"]) < 1e-4 and a["nn_same_class"] == b["nn_same_class"]
+    config = json.load(open(tmp_path / "two" / "config.json"))
+    assert config["world_size"] == 2 and config["loss"] == "dclw" and config["support_size"] == 40
+    s1 = torch.load(tmp_path / "one" / "checkpoint.pt")["support_set"]
+    s2 = torch.load(tmp_path / "two" / "checkpoint.pt")["support_set"]
+    assert torch.equal(s1["labels"], s2["labels"]) and torch.allclose(s1["z"], s2["z"], atol=1e-4)

@@ -1,0 +1,286 @@
+"""DCL identities (EQUATIONS.md section 1), distributed equivalence and smoke runs of simclr_dcl.py.
+
+Identities run in float64 on unit vectors; autograd gradients with respect to unit vectors pass
+through the loss's own normalisation, so closed forms are compared after the same projection
+(I - z z^T), which is what autograd returns for a unit-norm input.
+"""
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import common
+import simclr_dcl
+from helpers import run_distributed, run_script, smoke_args
+from simclr_dcl import anchor_losses, contrastive_loss, dclw_weights, npc_multiplier
+
+TAU = 0.1
+
+
+def unit_pairs(b=6, d=16, seed=0, noise=1.0):
+    """Two correlated views: z2 = normalise(z1 + noise)."""
+    g = torch.Generator().manual_seed(seed)
+    z1 = F.normalize(torch.randn(b, d, generator=g, dtype=torch.float64), dim=1)
+    z2 = F.normalize(z1 + noise * torch.randn(b, d, generator=g, dtype=torch.float64), dim=1)
+    return z1, z2
+
+
+def anchor_gradient(z1, z2, anchor, loss, temperature=TAU, sigma=0.5):
+    """Autograd gradient of one anchor's loss with respect to z1 and z2."""
+    z1, z2 = z1.clone().requires_grad_(), z2.clone().requires_grad_()
+    anchor_losses(z1, z2, temperature, loss, sigma)[anchor].backward()
+    return z1.grad, z2.grad
+
+
+def project(z, g):
+    """Gradient of a unit-norm input as autograd sees it: g minus its radial part."""
+    return g - (g * z).sum(-1, keepdim=True) * z
+
+
+def naive_losses(z1, z2, temperature, loss, sigma=0.5):
+    """Loop over anchors with explicit index sets: the reference for the fast masked version."""
+    z1, z2 = F.normalize(z1, dim=1), F.normalize(z2, dim=1)
+    b = len(z1)
+    views = torch.cat([z1, z2])
+    out = []
+    vmf = torch.exp((z1 * z2).sum(1) / sigma)
+    w = 2 - vmf / vmf.mean()
+    for a in range(2 * b):
+        i = a % b
+        pos = (z1[i] @ z2[i]) / temperature
+        negatives = [j for j in range(2 * b) if j % b != i]
+        log_u = torch.logsumexp(torch.stack([views[a] @ views[j] / temperature for j in negatives]), 0)
+        if loss == "infonce":
+            out.append(-pos + torch.logaddexp(pos, log_u))
+        elif loss == "dcl":
+            out.append(-pos + log_u)
+        else:
+            out.append(-w[i].detach() * pos + log_u)
+    return torch.stack(out)
+
+
+# ------------------------------------------------------------------------------ identities
+
+@pytest.mark.parametrize("loss", ["infonce", "dcl", "dclw"])
+def test_fast_loss_equals_explicit_formula(loss):
+    """The in-place-masked loss equals the anchor-by-anchor formula, value and gradient."""
+    z1, z2 = unit_pairs(b=5, d=8, seed=1)
+    a1, a2 = z1.clone().requires_grad_(), z2.clone().requires_grad_()
+    n1, n2 = z1.clone().requires_grad_(), z2.clone().requires_grad_()
+    fast, naive = contrastive_loss(a1, a2, TAU, loss), naive_losses(n1, n2, TAU, loss).mean()
+    fast.backward()
+    naive.backward()
+    assert torch.allclose(fast, naive, atol=1e-12)
+    assert torch.allclose(a1.grad, n1.grad, atol=1e-12) and torch.allclose(a2.grad, n2.grad, atol=1e-12)
+
+
+def test_prop1_infonce_gradient_has_npc_multiplier():
+    """DCL Prop. 1, anchor z_i^(1) with q = npc_multiplier, p_j = exp(<z_i^(1), z_j^(l)>/tau) / U:
+    dL/dz_i^(1) = -(q/tau)(z_i^(2) - sum p_j z_j^(l)),  dL/dz_i^(2) = -(q/tau) z_i^(1),
+    dL/dz_j^(l) = (q/tau) p_j z_i^(1) for every negative."""
+    z1, z2 = unit_pairs()
+    b = len(z1)
+    q = npc_multiplier(z1, z2, TAU)
+    for i in range(b):
+        g1, g2 = anchor_gradient(z1, z2, i, "infonce")
+        neg_views = torch.cat([z1, z2])
+        neg = torch.tensor([j % b != i for j in range(2 * b)])
+        p = torch.softmax(neg_views[neg] @ z1[i] / TAU, 0)  # p_j over the 2N-2 negatives
+        expect1 = torch.zeros_like(z1)
+        expect2 = torch.zeros_like(z2)
+        expect1[i] = -(q[i] / TAU) * (z2[i] - p @ neg_views[neg])
+        expect2[i] = -(q[i] / TAU) * z1[i]
+        negative_grads = (q[i] / TAU) * p[:, None] * z1[i]  # one row per negative
+        full = torch.cat([expect1, expect2])
+        full[neg] = negative_grads
+        expect1, expect2 = full[:b], full[b:]
+        assert torch.allclose(g1, project(z1, expect1), atol=1e-12)
+        assert torch.allclose(g2, project(z2, expect2), atol=1e-12)
+    # the multiplier itself: q = 1 - pos / (pos + U)
+    pos = torch.exp((z1 * z2).sum(1) / TAU)
+    u = torch.stack([torch.exp(torch.cat([z1, z2])[[j for j in range(2 * b) if j % b != i]] @ z1[i] / TAU).sum()
+                     for i in range(b)])
+    assert torch.allclose(q[:b], 1 - pos / (pos + u), atol=1e-12)
+
+
+def test_prop2_dcl_gradient_is_infonce_gradient_without_q():
+    """DCL Prop. 2: grad InfoNCE_i^(k) = q_{B,i}^(k) * grad L_DC,i^(k), every embedding, every anchor."""
+    z1, z2 = unit_pairs(seed=2)
+    q = npc_multiplier(z1, z2, TAU)
+    for anchor in range(2 * len(z1)):
+        n1, n2 = anchor_gradient(z1, z2, anchor, "infonce")
+        d1, d2 = anchor_gradient(z1, z2, anchor, "dcl")
+        assert torch.allclose(n1, q[anchor] * d1, atol=1e-12)
+        assert torch.allclose(n2, q[anchor] * d2, atol=1e-12)
+        assert d1.abs().max() > 1e-3  # the identity is not 0 = 0
+
+
+def test_infonce_equals_dcl_minus_log_q_so_dcl_is_smaller_and_can_be_negative():
+    """Value: InfoNCE_i^(k) = L_DC,i^(k) - log q_{B,i}^(k); hence DCL <= InfoNCE, and DCL < 0 when
+    the positive is much closer than the negatives."""
+    z1, z2 = unit_pairs(seed=3)
+    infonce, dcl = anchor_losses(z1, z2, TAU, "infonce"), anchor_losses(z1, z2, TAU, "dcl")
+    assert torch.allclose(infonce, dcl - torch.log(npc_multiplier(z1, z2, TAU)), atol=1e-12)
+    assert (dcl <= infonce).all()
+    easy1, easy2 = unit_pairs(b=4, d=64, seed=4, noise=0.05)  # near-identical views, random negatives
+    assert contrastive_loss(easy1, easy2, TAU, "dcl") < 0 < contrastive_loss(easy1, easy2, TAU, "infonce")
+
+
+@pytest.mark.parametrize("sigma", [0.1, 0.5, 2.0])
+def test_dclw_weights_have_mean_one(sigma):
+    """E[w] = 1 for any sigma, and hard (far-apart) positive pairs get the larger weight."""
+    z1, z2 = unit_pairs(b=32, seed=5)
+    w = dclw_weights(z1, z2, sigma)
+    assert abs(w.mean().item() - 1) < 1e-12
+    cos = (z1 * z2).sum(1)
+    assert w[cos.argmin()] == w.max() and w[cos.argmax()] == w.min()
+
+
+def test_dclw_tends_to_dcl_as_sigma_grows():
+    """w -> 1 and L_DCW -> L_DC, value and gradient, as sigma -> inf."""
+    z1, z2 = unit_pairs(seed=6)
+    assert torch.allclose(dclw_weights(z1, z2, 1e9), torch.ones(len(z1), dtype=torch.float64), atol=1e-8)
+    for anchor in range(2 * len(z1)):
+        w1, w2 = anchor_gradient(z1, z2, anchor, "dclw", sigma=1e9)
+        d1, d2 = anchor_gradient(z1, z2, anchor, "dcl")
+        assert torch.allclose(w1, d1, atol=1e-7) and torch.allclose(w2, d2, atol=1e-7)
+    assert abs(contrastive_loss(z1, z2, TAU, "dclw", 1e9) - contrastive_loss(z1, z2, TAU, "dcl")) < 1e-7
+    assert abs(contrastive_loss(z1, z2, TAU, "dclw", 0.5) - contrastive_loss(z1, z2, TAU, "dcl")) > 1e-4
+
+
+def test_fig1a_mean_npc_multiplier_grows_with_batch_size():
+    """<q_B> rises toward 1 as the batch grows (DCL Fig. 1a): more negatives, larger U."""
+    means = []
+    for b in (8, 32, 128, 512):
+        z1, z2 = unit_pairs(b=b, d=32, seed=7, noise=0.7)
+        means.append(npc_multiplier(z1, z2, TAU).mean().item())
+    assert means == sorted(means) and means[-1] > 0.9 and means[0] < means[-1] - 0.1
+
+
+@pytest.mark.parametrize("loss", ["infonce", "dcl", "dclw"])
+def test_swapping_the_views_leaves_the_loss_unchanged(loss):
+    z1, z2 = unit_pairs(seed=8)
+    assert torch.allclose(contrastive_loss(z1, z2, TAU, loss), contrastive_loss(z2, z1, TAU, loss), atol=1e-12)
+
+
+# ------------------------------------------------------------------------------ 2 processes == 1 process
+
+def _global_batch(seed=11, n=8, d=12):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, d, generator=g, dtype=torch.float64),
+            torch.randn(n, d, generator=g, dtype=torch.float64))
+
+
+def _loss_and_grads(z1, z2):
+    out = {}
+    for loss in ("infonce", "dcl", "dclw"):
+        a, b = z1.clone().requires_grad_(), z2.clone().requires_grad_()
+        value = contrastive_loss(a, b, TAU, loss)
+        value.backward()
+        out[loss] = (value.detach(), a.grad, b.grad)
+    return out
+
+
+def _worker_loss():
+    torch.set_default_dtype(torch.float64)
+    z1, z2 = _global_batch()
+    rows = slice(common.rank() * 4, common.rank() * 4 + 4)
+    return _loss_and_grads(z1[rows].double(), z2[rows].double())
+
+
+def test_two_processes_give_the_loss_and_gradients_of_one(tmp_path):
+    """Per-rank losses average to the 1-process loss; each rank's gradient / world equals the
+    1-process gradient of its rows (the gather's backward returns the other ranks' share)."""
+    ranks = run_distributed("test_simclr_dcl", "_worker_loss", tmp_path)
+    z1, z2 = _global_batch()
+    single = _loss_and_grads(z1.double(), z2.double())
+    for loss, (value, g1, g2) in single.items():
+        assert abs((ranks[0][loss][0] + ranks[1][loss][0]) / 2 - value) < 1e-12
+        assert torch.allclose(torch.cat([r[loss][1] for r in ranks]) / 2, g1, atol=1e-12)
+        assert torch.allclose(torch.cat([r[loss][2] for r in ranks]) / 2, g2, atol=1e-12)
+
+
+def _train_three_steps(ctx, rows):
+    """The real train_step on a width-4 model, 3 steps, float64; returns the parameters."""
+    torch.manual_seed(0)
+    model = simclr_dcl.SimCLR("resnet18", 4, 8, proj_hidden=16, proj_dim=8)
+    net = common.distribute(model, ctx)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    g = torch.Generator().manual_seed(3)
+    args = type("Args", (), {"temperature": TAU, "loss": "dclw", "sigma": 0.5})
+    for _ in range(3):
+        views = [torch.randn(8, 3, 8, 8, generator=g, dtype=torch.float64)[rows] for _ in range(2)]
+        train_step(net, optimizer, views, args, ctx)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+train_step = simclr_dcl.train_step
+
+
+def _worker_steps():
+    torch.set_default_dtype(torch.float64)
+    ctx = common.Context(common.rank(), 2, 0, torch.device("cpu"), out="", amp=False)
+    return _train_three_steps(ctx, slice(common.rank() * 4, common.rank() * 4 + 4))
+
+
+def test_two_processes_train_like_one_process(tmp_path):
+    """3 DDP steps on 2 ranks (global BatchNorm, gathered negatives, global DCLW weights) leave the
+    model exactly where 3 steps of one process on the whole batch do."""
+    ranks = run_distributed("test_simclr_dcl", "_worker_steps", tmp_path)
+    torch.set_default_dtype(torch.float64)
+    try:
+        single = _train_three_steps(common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False), slice(0, 8))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    torch.manual_seed(0)
+    initial = simclr_dcl.SimCLR("resnet18", 4, 8, proj_hidden=16, proj_dim=8).state_dict()
+    moved = 0.0
+    for key, value in single.items():
+        assert torch.allclose(ranks[0][key], value, atol=1e-10), key
+        assert torch.allclose(ranks[1][key], value, atol=1e-10), key
+        moved = max(moved, (value.double() - initial[key]).abs().max().item())
+    assert moved > 1e-3  # the steps really changed the model
+
+
+# ------------------------------------------------------------------------------ smoke runs
+
+def check_run_folder(out, epochs):
+    assert {"config.json", "metrics.jsonl", "checkpoint.pt", "backbone.pt", "results.json"} <= set(os.listdir(out))
+    lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [line["epoch"] for line in lines] == list(range(1, epochs + 1))
+    results = json.load(open(os.path.join(out, "results.json")))
+    assert {"knn_top1", "knn_k1_top1", "linear_top1"} <= results.keys()
+    return lines, results
+
+
+def test_smoke_python_and_torchrun_agree(tiny_folder, tmp_path):
+    """The acceptance run, as `python` and as `torchrun --nproc_per_node=2`: both write the run
+    folder (rank 0 alone: one metrics line per epoch) and train the same model."""
+    args = lambda out: smoke_args(tiny_folder, out, "--epochs", "2", "--loss", "dclw")
+    one = run_script("simclr_dcl.py", args(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_script("simclr_dcl.py", args(tmp_path / "two"), nproc=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "final kNN top-1 (k=200)" in one.stdout and "linear probe top-1" in one.stdout
+    lines1, _ = check_run_folder(tmp_path / "one", 2)
+    lines2, _ = check_run_folder(tmp_path / "two", 2)
+    assert {"npc_mean", "npc_cv", "knn_top1", "images_per_s", "lr"} <= lines1[-1].keys()
+    assert 0 < lines1[0]["npc_mean"] < 1
+    for a, b in zip(lines1, lines2):
+        assert abs(a["loss"] - b["loss"]) < 1e-4
+    config = json.load(open(tmp_path / "two" / "config.json"))
+    assert config["world_size"] == 2 and config["loss"] == "dclw" and "torch" in config["versions"]
+    w1 = torch.load(tmp_path / "one" / "backbone.pt")
+    w2 = torch.load(tmp_path / "two" / "backbone.pt")
+    for key in w1:
+        assert torch.allclose(w1[key].float(), w2[key].float(), rtol=1e-3, atol=1e-4), key
+
+
+@pytest.mark.parametrize("loss", ["infonce", "dcl"])
+def test_each_loss_trains_in_process(tiny_folder, tmp_path, loss):
+    simclr_dcl.main(smoke_args(tiny_folder, tmp_path, "--loss", loss))
+    lines, results = check_run_folder(tmp_path, 1)
+    assert math.isfinite(lines[0]["loss"]) and 0 <= results["knn_top1"] <= 100

@@ -1,0 +1,359 @@
+"""simsiam_byol_gsg.py: the GSG identities of EQUATIONS.md sec. 3, BYOL's EMA, 2 processes == 1 process,
+exact resume, and runs of every method x stop-gradient mode."""
+import copy
+import json
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import ROOT, run_script, run_distributed, smoke_args
+
+sys.path.insert(0, ROOT)
+import common  # noqa: E402
+import simsiam_byol_gsg as gsg  # noqa: E402
+
+MODES = ["guided", "random", "reverse"]
+TINY_HEADS = ["--proj-hidden", "32", "--proj-dim", "32", "--pred-hidden", "8"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """In-process training on a shared 2-core machine: one thread avoids oversubscription stalls."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def float64():
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(dtype)
+
+
+def D(p, z):
+    """D(p, z) = -<p/|p|, z/|z|> per row."""
+    return -(F.normalize(p, dim=1) * F.normalize(z, dim=1)).sum(1)
+
+
+def eight(b=6, d=5, seed=0, grad=False):
+    """p11, p12, p21, p22, z11, z12, z21, z22: random (b, d) float64 tensors."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, d, generator=g, dtype=torch.float64).requires_grad_(grad) for _ in range(8)]
+
+
+def case_formula(c, p11, p12, p21, p22, z11, z12, z21, z22):
+    """GSG Eq. 6, case c, per pair (B,)."""
+    first = D(p11, z12) if c < 2 else D(p12, z11)
+    second = D(p21, z22) if c % 2 == 0 else D(p22, z21)
+    return 0.5 * first + 0.5 * second
+
+
+# ------------------------------------------------------------------------------ GSG identities
+
+def test_eq1_symmetric_loss_is_half_sum_of_two_terms_with_targets_stopped():
+    """L = 1/2 D(p1, sg z2) + 1/2 D(p2, sg z1); the SimSiam target z gets no gradient through the loss."""
+    p1, p2, z1, z2 = eight(grad=True)[:4]
+    loss = gsg.symmetric_loss(p1, p2, z1, z2)
+    torch.testing.assert_close(loss, (0.5 * D(p1, z2) + 0.5 * D(p2, z1)).mean(), rtol=0, atol=1e-12)
+    loss.backward()
+    assert z1.grad is None and z2.grad is None
+    assert p1.grad.abs().sum() > 0 and p2.grad.abs().sum() > 0
+
+
+def test_eq6_each_case_is_chosen_by_the_closest_cross_image_views_and_equals_its_formula():
+    """m = min{d(z11,z21), d(z11,z22), d(z12,z21), d(z12,z22)} picks the case; loss = that case's Eq. 6 line."""
+    p11, p12, p21, p22, z11, z12, z21, z22 = eight(b=4, d=3, seed=1)
+    e = torch.eye(3, dtype=torch.float64)
+    for c in range(4):  # pair c: views 1+c//2 of x1 and 1+c%2 of x2 nearly coincide, the others are far apart
+        near1, near2 = (z11, z12)[c // 2], (z21, z22)[c % 2]
+        far1, far2 = (z12, z11)[c // 2], (z22, z21)[c % 2]
+        near1[c], near2[c] = e[0], e[0] + 0.01
+        far1[c], far2[c] = 5 * e[1], -5 * e[2]
+    args = (p11, p12, p21, p22, z11, z12, z21, z22)
+    _, case = gsg.guided_stopgrad_loss(*args, mode="guided")
+    assert case.dtype == torch.int64 and case.tolist() == [0, 1, 2, 3]
+    for c in range(4):
+        row = [t[c:c + 1] for t in args]
+        loss, _ = gsg.guided_stopgrad_loss(*row)
+        torch.testing.assert_close(loss, case_formula(c, *row)[0], rtol=0, atol=1e-12)
+    expected = torch.stack([case_formula(c, *args)[c] for c in range(4)]).mean()
+    torch.testing.assert_close(gsg.guided_stopgrad_loss(*args)[0], expected, rtol=0, atol=1e-12)
+
+
+def test_eq7_reverse_stopgrad_takes_the_two_terms_guided_leaves_out():
+    """reverse case = 3 - guided case, and guided + reverse = 1/2 (D(p11,z12)+D(p12,z11)+D(p21,z22)+D(p22,z21))."""
+    args = eight(b=50, seed=2)
+    for i in range(50):
+        row = [t[i:i + 1] for t in args]
+        guided, c_guided = gsg.guided_stopgrad_loss(*row, mode="guided")
+        reverse, c_reverse = gsg.guided_stopgrad_loss(*row, mode="reverse")
+        assert c_reverse.item() == 3 - c_guided.item()
+        p11, p12, p21, p22, z11, z12, z21, z22 = row
+        all_four = 0.5 * (D(p11, z12) + D(p12, z11) + D(p21, z22) + D(p22, z21))
+        torch.testing.assert_close(guided + reverse, all_four[0], rtol=0, atol=1e-12)
+
+
+def test_random_stopgrad_hits_each_case_a_quarter_of_the_time_and_is_seeded():
+    """random: P(case = c) = 1/4 for c in 0..3; the training loop draws cases from a seeded generator."""
+    torch.manual_seed(0)
+    args = eight(b=40000, d=2, seed=3)
+    _, case = gsg.guided_stopgrad_loss(*args, mode="random")
+    freq = torch.bincount(case, minlength=4).double() / len(case)
+    torch.testing.assert_close(freq, torch.full((4,), 0.25, dtype=torch.float64), rtol=0, atol=0.01)
+    ctx = common.Context(0, 1, 0, torch.device("cpu"), out=None, amp=False)
+    draws = [gsg.draw_pairing(64, "random", common.epoch_generator(7, 3, "cpu"), ctx) for _ in range(2)]
+    assert torch.equal(draws[0][0], draws[1][0]) and torch.equal(draws[0][1], draws[1][1])
+    assert sorted(draws[0][0].tolist()) == list(range(64))  # r is a permutation of the global batch
+    _, forced = gsg.guided_stopgrad_loss(*[t[:64] for t in args], mode="random", random_case=draws[0][1])
+    assert torch.equal(forced, draws[0][1])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_reaches_only_the_two_selected_predictions(mode):
+    """dL/dp11 != 0 only where case in {0,1}, dL/dp12 only in {2,3}, dL/dp21 only in {0,2},
+    dL/dp22 only in {1,3}; every z is a stop-gradient target and gets none."""
+    torch.manual_seed(1)
+    args = eight(b=64, seed=4, grad=True)
+    loss, case = gsg.guided_stopgrad_loss(*args, mode=mode)
+    loss.backward()
+    p11, p12, p21, p22 = args[:4]
+    for p, used in ((p11, case < 2), (p12, case >= 2), (p21, case % 2 == 0), (p22, case % 2 == 1)):
+        nonzero = p.grad.abs().sum(1) > 0
+        assert torch.equal(nonzero, used)
+    assert all(z.grad is None for z in args[4:])
+
+
+def test_loss_in_unit_range_and_mean_of_the_four_cases_is_the_symmetric_loss():
+    """-1 <= L <= 1; mean_c L_c = Eq. 2 = 1/2 L_sym(x1) + 1/2 L_sym(x2) (each Eq. 2 term is in two cases)."""
+    p11, p12, p21, p22, z11, z12, z21, z22 = args = eight(b=16, seed=5)
+    cases = [gsg.guided_stopgrad_loss(*args, mode="random", random_case=torch.full((16,), c))[0] for c in range(4)]
+    eq2 = 0.5 * gsg.symmetric_loss(p11, p12, z11, z12) + 0.5 * gsg.symmetric_loss(p21, p22, z21, z22)
+    torch.testing.assert_close(torch.stack(cases).mean(), eq2, rtol=0, atol=1e-12)
+    for mode in ("guided", "reverse"):
+        loss, _ = gsg.guided_stopgrad_loss(*args, mode=mode)
+        assert -1 <= loss.item() <= 1
+    assert gsg.guided_stopgrad_loss(*[p11] * 8)[0].item() == pytest.approx(-1)  # p = z everywhere: the minimum
+
+
+# ------------------------------------------------------------------------------ model, BYOL, diagnostics
+
+def test_byol_ema_update_and_cosine_schedule(float64):
+    """xi <- tau xi + (1 - tau) theta; cosine tau_k = 1 - (1 - tau_0)(cos(pi k/K) + 1)/2: tau_0 at k=0, 1 at k=K."""
+    torch.manual_seed(0)
+    online = gsg.Encoder("resnet18", 4, 8, 8, 8)
+    target = gsg.Encoder("resnet18", 4, 8, 8, 8)
+    before = [t.clone() for t in target.parameters()]
+    gsg.ema_update(target, online, 0.9)
+    for xi, old, theta in zip(target.parameters(), before, online.parameters()):
+        torch.testing.assert_close(xi, 0.9 * old + 0.1 * theta, rtol=0, atol=1e-14)
+    assert gsg.ema_momentum(5, 100, 0.99, "constant") == 0.99
+    assert gsg.ema_momentum(0, 100, 0.99, "cosine") == pytest.approx(0.99)
+    assert gsg.ema_momentum(50, 100, 0.99, "cosine") == pytest.approx(0.995)
+    assert gsg.ema_momentum(100, 100, 0.99, "cosine") == pytest.approx(1.0)
+
+
+def test_simsiam_target_gets_no_gradient_and_byol_target_is_not_trained(float64):
+    """SimSiam: the gradient flows through p = h(z) only, never through the sg(z) side; BYOL: SGD leaves the
+    momentum encoder alone (it moves only by EMA). --no-predictor makes p = z (Sec. 6.2)."""
+    torch.manual_seed(0)
+    ctx = common.Context(0, 1, 0, torch.device("cpu"), out=None, amp=False)
+    args = type("Args", (), {"stopgrad": "guided"})
+    x1, x2 = torch.randn(8, 3, 8, 8), torch.randn(8, 3, 8, 8)
+    model = gsg.SiameseNet("resnet18", 4, 8, 8, 8, 4)
+    z1, z2, p1, p2 = model(x1, x2)
+    loss = gsg.symmetric_loss(p1, p2, z1, z2)
+    grad_via_p = torch.autograd.grad(loss, [p1, p2], retain_graph=True)
+    full = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+    only_p = torch.autograd.grad([p1, p2], list(model.parameters()), grad_outputs=grad_via_p)
+    for a, b in zip(full, only_p):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    target = gsg.Encoder("resnet18", 4, 8, 8, 8).requires_grad_(False)
+    frozen = [t.clone() for t in target.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    partner = torch.randperm(8)
+    gsg.train_step(model, target, optimizer, (x1, x2), partner, None, args, ctx)
+    assert all(torch.equal(a, b) and a.grad is None for a, b in zip(target.parameters(), frozen))
+    bare = gsg.SiameseNet("resnet18", 4, 8, 8, 8, 4, predictor=False)
+    z1, z2, p1, p2 = bare(x1, x2)
+    assert torch.equal(p1, z1) and torch.equal(p2, z2)
+
+
+def test_projection_std_is_one_over_sqrt_d_when_spread_and_zero_when_collapsed():
+    """std over the batch of z/|z|, mean over dims: ~1/sqrt(D) for isotropic z, 0 for a collapsed batch."""
+    torch.manual_seed(0)
+    assert gsg.projection_std(torch.randn(20000, 64)).item() == pytest.approx(1 / 8, rel=0.02)
+    assert gsg.projection_std(torch.ones(32, 64) + 1e-9 * torch.randn(32, 64)).item() < 1e-6
+
+
+# ------------------------------------------------------------------------------ 2 processes == 1 process
+
+N, WIDTH, SIZE, STEPS = 8, 4, 8, 3
+
+
+def _global_inputs(seed=0, d=6):
+    g = torch.Generator().manual_seed(seed)
+    p1, p2, z1, z2 = (torch.randn(N, d, generator=g, dtype=torch.float64) for _ in range(4))
+    partner = torch.randperm(N, generator=g)
+    random_case = torch.randint(4, (N,), generator=g)
+    return p1, p2, z1, z2, partner, random_case
+
+
+def _losses_and_grads(rank, world):
+    """guided_stopgrad_loss over the global batch for every mode: this rank's loss, dL/dp1, dL/dp2 rows, case."""
+    p1, p2, z1, z2, partner, random_case = _global_inputs()
+    rows = slice(rank * N // world, (rank + 1) * N // world)
+    out = {}
+    for mode in ["symmetric"] + MODES:
+        q1, q2 = p1[rows].clone().requires_grad_(), p2[rows].clone().requires_grad_()
+        if mode == "symmetric":
+            loss, case = gsg.symmetric_loss(q1, q2, z1[rows], z2[rows]), None
+        else:
+            loss, case = gsg.global_guided_loss(q1, q2, z1[rows], z2[rows], partner[rows], mode, random_case[rows])
+        loss.backward()
+        out[mode] = (loss.detach(), q1.grad, q2.grad, case)
+    return out
+
+
+def _train_steps(rank, world, method):
+    """STEPS real train_step calls (+ BYOL's EMA) on a DDP model: parameters, target, losses, cases."""
+    torch.manual_seed(0)
+    ctx = common.Context(rank, world, 0, torch.device("cpu"), out=None, amp=False)
+    model = gsg.SiameseNet("resnet18", WIDTH, SIZE, 16, 16, 8)
+    target = None
+    if method == "byol":
+        target = common.sync_batchnorm(copy.deepcopy(model.encoder), ctx).requires_grad_(False)
+    net = common.distribute(model, ctx)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=5e-4)
+    args = type("Args", (), {"stopgrad": "guided"})
+    rows = slice(rank * N // world, (rank + 1) * N // world)
+    losses, cases = [], []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 + step)
+        x1, x2 = torch.randn(N, 3, SIZE, SIZE, generator=g), torch.randn(N, 3, SIZE, SIZE, generator=g)
+        partner, _ = gsg.draw_pairing(N, "guided", g, ctx)
+        loss, case, std = gsg.train_step(net, target, optimizer, (x1[rows], x2[rows]), partner, None, args, ctx)
+        if target is not None:
+            gsg.ema_update(target, model.encoder, 0.9)
+        losses.append(loss)
+        cases.append(case)
+    return {"model": model.state_dict(), "target": target.state_dict() if target else None,
+            "losses": losses, "cases": cases, "std": std}
+
+
+def _worker_gsg():
+    """Rank's results in float64 for the loss-level and train-step comparisons (one torchrun launch)."""
+    import torch.distributed as dist
+    torch.set_default_dtype(torch.float64)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return {"loss": _losses_and_grads(rank, world), "simsiam": _train_steps(rank, world, "simsiam"),
+            "byol": _train_steps(rank, world, "byol")}
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    return run_distributed("test_simsiam_byol_gsg", "_worker_gsg", tmp_path_factory.mktemp("gsg_dist"))
+
+
+def test_two_processes_equal_one_loss_and_gradient_with_partners_on_the_other_rank(two_processes, float64):
+    """mean_r L_r = L, and dL_r/dp (rank r's rows) / 2 = the same rows of dL/dp, in every stop-gradient mode."""
+    reference = _losses_and_grads(0, 1)
+    partner = _global_inputs()[4]
+    assert (partner[:N // 2] >= N // 2).any()  # some partners do live on the other rank
+    for mode, (loss, g1, g2, case) in reference.items():
+        ranks = [result["loss"][mode] for result in two_processes]
+        torch.testing.assert_close(torch.stack([r[0] for r in ranks]).mean(), loss, rtol=0, atol=1e-12)
+        torch.testing.assert_close(torch.cat([r[1] for r in ranks]) / 2, g1, rtol=0, atol=1e-12)
+        torch.testing.assert_close(torch.cat([r[2] for r in ranks]) / 2, g2, rtol=0, atol=1e-12)
+        if case is not None:
+            assert torch.equal(torch.cat([r[3] for r in ranks]), case)
+
+
+@pytest.mark.parametrize("method", ["simsiam", "byol"])
+def test_two_processes_equal_one_guided_training_steps(two_processes, float64, method):
+    """After 3 guided train_step calls (BYOL: + EMA), 2 gloo processes hold the 1-process model and target."""
+    reference = _train_steps(0, 1, method)
+    ranks = [result[method] for result in two_processes]
+    for step in range(STEPS):
+        mean = (ranks[0]["losses"][step] + ranks[1]["losses"][step]) / 2
+        torch.testing.assert_close(mean, reference["losses"][step], rtol=0, atol=1e-10)
+        assert torch.equal(torch.cat([r["cases"][step] for r in ranks]), reference["cases"][step])
+    torch.testing.assert_close(ranks[0]["std"], reference["std"], rtol=0, atol=1e-10)
+    for r in ranks:
+        for key in ("model", "target") if method == "byol" else ("model",):
+            for name, value in reference[key].items():
+                torch.testing.assert_close(r[key][name], value, rtol=0, atol=1e-9, msg=f"{key} {name}")
+
+
+# ------------------------------------------------------------------------------ runs of the script
+
+def run_main(folder, out, *extra):
+    gsg.main(smoke_args(folder, out, "--linear-epochs", "0", *TINY_HEADS, *extra))
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+@pytest.mark.parametrize("method", ["simsiam", "byol"])
+def test_every_stopgrad_mode_and_no_predictor_runs_and_logs_its_diagnostics(tiny_folder, tmp_path, method):
+    """symmetric / guided / random / reverse and guided --no-predictor: case fractions sum to 1 (none for
+    symmetric), the projection std is logged, the final report has kNN k=1; random is reproducible."""
+    for mode, extra in [(m, []) for m in ["symmetric"] + MODES] + [("guided", ["--no-predictor"])]:
+        out = tmp_path / f"{mode}{len(extra)}"
+        record = run_main(tiny_folder, out, "--method", method, "--stopgrad", mode, *extra)[-1]
+        fractions = [record.get(f"case_{name}") for name in gsg.CASES]
+        if mode == "symmetric":
+            assert fractions == [None] * 4
+        else:
+            assert sum(fractions) == pytest.approx(1)
+        assert 0 <= record["proj_std"] <= 1 and ("ema" in record) == (method == "byol")
+        assert "knn_k1_top1" in json.load(open(out / "results.json"))
+    again = run_main(tiny_folder, tmp_path / "random_again", "--method", method, "--stopgrad", "random")
+    first = torch.load(tmp_path / "random0" / "checkpoint.pt")["model"]
+    second = torch.load(tmp_path / "random_again" / "checkpoint.pt")["model"]
+    assert all(torch.equal(first[k], second[k]) for k in first) and again
+
+
+def test_resume_restores_the_byol_ema_target_exactly(tiny_folder, tmp_path):
+    """--stop-after 1 then --resume equals an uninterrupted 2-epoch run: model, optimizer and EMA target."""
+    common_args = ["--method", "byol", "--stopgrad", "guided", "--epochs", "2", "--ema-schedule", "cosine"]
+    run_main(tiny_folder, tmp_path / "whole", *common_args)
+    run_main(tiny_folder, tmp_path / "split", *common_args, "--stop-after", "1")
+    # resumable options (data folder, device, workers, linear probe) come from this command line, not the checkpoint
+    gsg.main(["--resume", str(tmp_path / "split"), "--data-dir", str(tiny_folder), "--device", "cpu",
+              "--workers", "0", "--linear-epochs", "0"])
+    whole = torch.load(tmp_path / "whole" / "checkpoint.pt")
+    split = torch.load(tmp_path / "split" / "checkpoint.pt")
+    assert split["epoch"] == whole["epoch"] == 2
+    for key in ("model", "target"):
+        assert whole[key].keys() == split[key].keys()
+        assert all(torch.equal(whole[key][k], split[key][k]) for k in whole[key]), key
+    for a, b in zip(whole["optimizer"]["state"].values(), split["optimizer"]["state"].values()):
+        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+
+
+def test_bad_momentum_is_an_argparse_error():
+    with pytest.raises(SystemExit):
+        gsg.parse_args(["--ema", "1.5"])
+
+
+def check_run_folder(out, method):
+    assert {"config.json", "metrics.jsonl", "checkpoint.pt", "backbone.pt", "results.json"} <= set(os.listdir(out))
+    record = json.loads(open(os.path.join(out, "metrics.jsonl")).readlines()[-1])
+    assert {"loss", "proj_std", *(f"case_{name}" for name in gsg.CASES)} <= record.keys()
+    results = json.load(open(os.path.join(out, "results.json")))
+    assert {"knn_top1", "knn_k1_top1", "linear_top1"} <= results.keys()
+    assert json.load(open(os.path.join(out, "config.json")))["method"] == method
+
+
+@pytest.mark.parametrize("method,nproc", [("simsiam", 1), ("byol", 2)])
+def test_smoke_guided_run_as_python_and_torchrun(tiny_folder, tmp_path, method, nproc):
+    """The real script, guided stop-gradient, as `python` (SimSiam) and `torchrun --nproc_per_node=2` (BYOL)."""
+    out = tmp_path / "run"
+    done = run_script("simsiam_byol_gsg.py", smoke_args(tiny_folder, out, "--method", method), nproc=nproc)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    check_run_folder(out, method)
+    assert "kNN top-1 (k=1)" in done.stdout + done.stderr
