@@ -111,19 +111,17 @@ def parse_args(parser, argv=None):
         raise UserError(f"--resume {args.resume}: no checkpoint.pt there; give a run folder of this project")
     checkpoint = load_checkpoint(path)
     saved = checkpoint["args"]
-    # which options were typed on the command line (re-parse with every default suppressed)
-    defaults = {action.dest: action.default for action in parser._actions}
-    for action in parser._actions:
-        action.default = argparse.SUPPRESS
-    typed = vars(parser.parse_args(argv))
-    for action in parser._actions:
-        action.default = defaults[action.dest]
+    # Which options were typed on the command line: argparse fills in a default only where the
+    # namespace lacks the attribute, so a namespace pre-filled with a sentinel keeps just the typed ones.
+    unset = object()
+    probe = argparse.Namespace(**{action.dest: unset for action in parser._actions})
+    typed = {k: v for k, v in vars(parser.parse_args(argv, probe)).items() if v is not unset}
     for key, value in typed.items():
         if key not in RESUMABLE and key in saved and saved[key] != value:
             raise UserError(f"checkpoint {path} was trained with --{key.replace('_', '-')} {saved[key]}, "
                             f"not {value}; drop that option to continue the run, or start a new --out")
-    merged = dict(saved)
-    merged.update({k: v for k, v in vars(args).items() if k in RESUMABLE})
+    merged = vars(args)  # defaults only for options newer than the checkpoint
+    merged.update(saved)
     merged.update({k: v for k, v in typed.items() if k in RESUMABLE})
     if "out" not in typed:
         merged["out"] = os.path.dirname(os.path.abspath(path))
@@ -294,7 +292,7 @@ class GatherBatchNorm(nn.modules.batchnorm._BatchNorm):
             self.running_mean.lerp_(mean, self.momentum)
             self.running_var.lerp_(var * count / (count - 1), self.momentum)
         x = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
-        return x * self.weight.view(shape) + self.bias.view(shape)
+        return x * self.weight.view(shape) + self.bias.view(shape) if self.affine else x
 
 
 def sync_batchnorm(module, ctx):
@@ -305,7 +303,8 @@ def sync_batchnorm(module, ctx):
         return nn.SyncBatchNorm.convert_sync_batchnorm(module)
     for name, child in module.named_children():
         if isinstance(child, nn.modules.batchnorm._BatchNorm):
-            synced = GatherBatchNorm(child.num_features, child.eps, child.momentum).to(child.weight.device)
+            synced = GatherBatchNorm(child.num_features, child.eps, child.momentum, child.affine)
+            synced = synced.to(child.running_mean)  # same device and dtype
             synced.load_state_dict(child.state_dict())
             setattr(module, name, synced)
         else:
@@ -981,6 +980,7 @@ class EpochMeter:
     def refresh(self):
         loss = all_reduce_sum(self.sums["loss"]).item() / (self.steps * self.ctx.world)
         if not math.isfinite(loss):
+            self.bar.close()
             raise UserError(f"loss became {loss} in epoch {self.epoch + 1}, step {self.steps}; the last "
                             f"good checkpoint is kept; lower --lr, or try --no-amp")
         now = time.perf_counter()

@@ -40,7 +40,6 @@ def parse_args(argv=None):
     parser.add_argument("--proj-dim", type=common.positive_int, default=128, help="projection dimension D")
     # the paper's CIFAR setting (DESIGN sec. 7): batch 256, 200 epochs, SGD lr 0.03 per 256, wd 5e-4
     parser.set_defaults(batch_size=256, epochs=200, lr=0.03, wd=5e-4, warmup_epochs=10, crop_scale=(0.08, 1.0))
-    parser._defaults.clear()  # keep them on the actions only: common.parse_args would count them as typed on --resume
     args = common.parse_args(parser, argv)
     if args.tau_beta is None:  # MoCo v2 is plain InfoNCE unless --tau-beta asks for dual temperature
         args.tau_beta = args.tau_alpha if args.method == "mocov2" else 1.0

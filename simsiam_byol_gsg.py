@@ -275,7 +275,7 @@ def main(argv=None):
         common.restore(model, args.checkpoint["model"], "model")
         common.restore(optimizer, args.checkpoint["optimizer"], "optimizer")
         if target is not None:
-            pass
+            common.restore(target, args.checkpoint.get("target", {}), "BYOL target")
         start_epoch = args.checkpoint["epoch"]
         args.checkpoint = None
         ctx.print(f"resumed from {args.out} at epoch {start_epoch}")

@@ -353,7 +353,8 @@ def check_run_folder(out, method):
 def test_smoke_guided_run_as_python_and_torchrun(tiny_folder, tmp_path, method, nproc):
     """The real script, guided stop-gradient, as `python` (SimSiam) and `torchrun --nproc_per_node=2` (BYOL)."""
     out = tmp_path / "run"
-    done = run_script("simsiam_byol_gsg.py", smoke_args(tiny_folder, out, "--method", method), nproc=nproc)
+    done = run_script("simsiam_byol_gsg.py", smoke_args(tiny_folder, out, "--method", method, *TINY_HEADS),
+                      nproc=nproc)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     check_run_folder(out, method)
     assert "kNN top-1 (k=1)" in done.stdout + done.stderr

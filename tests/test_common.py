@@ -1,0 +1,325 @@
+"""common.py: augmentation against torchvision, evaluation, schedule, global BatchNorm, checkpoints
+and resume, and the bad-input cases of DESIGN section 9 (run through simclr_dcl.py)."""
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torchvision.transforms.functional as TF
+
+import common
+import simclr_dcl
+from common import Augment, Context, Recipe
+from helpers import run_distributed, run_script, smoke_args, tiny_image_folder
+
+CPU = torch.device("cpu")
+
+
+def images(b=4, h=24, w=28, seed=0):
+    return torch.rand(b, 3, h, w, generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------ augmentation ops
+
+@pytest.mark.parametrize("op, tv_op, factors", [
+    (common.adjust_brightness, TF.adjust_brightness, [0.6, 1.0, 1.3, 1.4]),
+    (common.adjust_contrast, TF.adjust_contrast, [0.6, 1.0, 1.2, 1.4]),
+    (common.adjust_saturation, TF.adjust_saturation, [0.0, 0.6, 1.0, 1.4]),
+    (common.adjust_hue, TF.adjust_hue, [-0.1, -0.03, 0.05, 0.1]),
+])
+def test_colour_op_with_per_sample_factor_matches_torchvision(op, tv_op, factors):
+    """Row i of the batched op equals torchvision's functional op on image i with factor i."""
+    x = images()
+    out = op(x, torch.tensor(factors))
+    for i, f in enumerate(factors):
+        assert torch.allclose(out[i], tv_op(x[i], f), atol=2e-6), f
+
+
+def test_grayscale_solarize_and_blur_match_torchvision():
+    x = images()
+    assert torch.allclose(common.grayscale(x)[0], TF.rgb_to_grayscale(x[0]), atol=1e-6)
+    assert torch.equal(common.solarize(x)[1], TF.solarize(x[1], 0.5))
+    sigmas = [0.3, 0.9, 1.5, 2.0]
+    blurred = common.gaussian_blur(x, torch.tensor(sigmas), 7)
+    for i, s in enumerate(sigmas):
+        assert torch.allclose(blurred[i], TF.gaussian_blur(x[i], [7, 7], [s, s]), atol=1e-6), s
+
+
+def test_resized_crop_and_flip_match_torchvision():
+    """One grid_sample per batch equals torchvision's resized_crop (bilinear, no antialias) per image,
+    mirrored by hflip where asked. Downscaling boxes compare exactly; an upscaling box compares
+    away from its 1-pixel rim (torchvision clamps to the crop's edge, grid_sample to the image's)."""
+    x = images(4, 40, 36)
+    top, left = torch.tensor([0.0, 3, 10, 5]), torch.tensor([0.0, 7, 2, 20])
+    h, w = torch.tensor([40.0, 20, 30, 16]), torch.tensor([36.0, 24, 17, 16])
+    flip = torch.tensor([False, True, False, True])
+    out = common.resized_crop_flip(x, top, left, h, w, flip, 16)
+    for i in range(4):
+        expect = TF.resized_crop(x[i], int(top[i]), int(left[i]), int(h[i]), int(w[i]), [16, 16], antialias=False)
+        expect = TF.hflip(expect) if flip[i] else expect
+        assert torch.allclose(out[i], expect, atol=1e-5), i
+    up = common.resized_crop_flip(x[:1], torch.tensor([8.0]), torch.tensor([9.0]), torch.tensor([10.0]),
+                                  torch.tensor([12.0]), torch.tensor([False]), 24)
+    expect = TF.resized_crop(x[0], 8, 9, 10, 12, [24, 24], antialias=False)
+    assert torch.allclose(up[0, :, 2:-2, 2:-2], expect[:, 2:-2, 2:-2], atol=1e-5)
+
+
+def test_crop_boxes_respect_scale_and_ratio_ranges():
+    g = torch.Generator().manual_seed(0)
+    rand = lambda shape: torch.rand(shape, generator=g)
+    top, left, h, w = common.sample_crop_boxes(rand, 4000, 32, 40, (0.2, 0.9), (3 / 4, 4 / 3))
+    assert (top >= 0).all() and (left >= 0).all() and (top + h <= 32).all() and (left + w <= 40).all()
+    area = h * w / (32 * 40)
+    # w and h are rounded to whole pixels, which moves the area and ratio slightly past the range
+    assert area.min() > 0.2 * 0.85 and area.max() < 0.9 * 1.15
+    assert area.min() < 0.23 and area.max() > 0.85  # the whole range is used
+    ratio = w / h
+    assert ratio.min() > 0.75 * 0.9 and ratio.max() < 4 / 3 / 0.9
+    assert len(set(zip(top.tolist(), left.tolist()))) > 200  # positions vary
+
+
+def test_crop_falls_back_to_centre_crop_when_no_draw_fits():
+    """A 4x40 strip can fit no box of ratio 3/4..4/3 with area >= 90%: torchvision's fallback."""
+    g = torch.Generator().manual_seed(0)
+    top, left, h, w = common.sample_crop_boxes(lambda s: torch.rand(s, generator=g), 5, 4, 40, (0.9, 1.0), (3 / 4, 4 / 3))
+    assert (h == 4).all() and (w == round(4 * 4 / 3)).all() and (left == (40 - w) // 2).all()
+
+
+def ctx_for(rank, world):
+    return Context(rank, world, 0, CPU, out="", amp=False)
+
+
+def test_every_sample_gets_its_own_parameters():
+    """16 copies of one image come out as 16 different views (torchvision.transforms.v2 on a batch
+    would give 16 identical ones)."""
+    x = (images(1, 32, 32) * 255).to(torch.uint8).expand(16, 3, 32, 32)
+    recipe = Recipe(jitter_p=1.0, blur_p=0.5, solarize_p=0.5)
+    (view,) = Augment([recipe], 32, (0.5,) * 3, (0.5,) * 3, ctx_for(0, 1))(x, torch.Generator().manual_seed(0))
+    flat = view.flatten(1)
+    distance = torch.cdist(flat, flat) + torch.eye(16) * 1e9
+    assert distance.min() > 1e-3
+
+
+def test_ranks_augment_their_rows_exactly_as_one_process():
+    """Parameters are drawn for the global batch and sliced, so rank 0 + rank 1 == one process."""
+    x = (images(8, 20, 20) * 255).to(torch.uint8)
+    recipes = [Recipe(blur_p=0.5), Recipe(solarize_p=0.5)]
+    single = Augment(recipes, 16, (0.5,) * 3, (0.25,) * 3, ctx_for(0, 1))(x, torch.Generator().manual_seed(1))
+    parts = [Augment(recipes, 16, (0.5,) * 3, (0.25,) * 3, ctx_for(r, 2))(x[4 * r:4 * r + 4],
+                                                                           torch.Generator().manual_seed(1))
+             for r in range(2)]
+    for v in range(2):
+        assert torch.equal(torch.cat([parts[0][v], parts[1][v]]), single[v])
+
+
+# ------------------------------------------------------------------------------ evaluation
+
+def toy_features(n, classes=5, d=32, seed=0, shuffle_labels=False):
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(classes, d, generator=g) * 3
+    labels = torch.randint(0, classes, (n,), generator=g)
+    features = centres[labels] + torch.randn(n, d, generator=g)
+    if shuffle_labels:
+        labels = torch.randint(0, classes, (n,), generator=g)
+    return nn.functional.normalize(features, dim=1), labels
+
+
+def test_knn_and_linear_probe_solve_separable_features():
+    train_f, train_y = toy_features(1400, seed=10)
+    train_f, train_y, test_f, test_y = train_f[:1000], train_y[:1000], train_f[1000:], train_y[1000:]
+    assert common.knn_accuracy(train_f, train_y, test_f, test_y, 5, k=200, t=0.1) > 99
+    assert common.knn_accuracy(train_f, train_y, test_f, test_y, 5, k=1, t=0.1) > 99
+    assert common.linear_probe(train_f, train_y, test_f, test_y, 5, epochs=20) > 99
+
+
+def test_knn_and_linear_probe_are_at_chance_on_random_labels():
+    train_f, train_y = toy_features(2000, shuffle_labels=True, seed=11)
+    train_f, train_y, test_f, test_y = train_f[:1000], train_y[:1000], train_f[1000:], train_y[1000:]
+    assert common.knn_accuracy(train_f, train_y, test_f, test_y, 5, k=200, t=0.1) < 28
+    assert common.linear_probe(train_f, train_y, test_f, test_y, 5, epochs=20) < 28
+
+
+def test_learning_rate_warms_up_then_follows_the_cosine():
+    lr = lambda step, schedule="cosine": common.learning_rate(step, 100, 10, 1.0, schedule)
+    assert [round(lr(s), 6) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]
+    assert abs(lr(55) - 0.5) < 1e-9 and lr(100) < 1e-9 and lr(80) < lr(30)
+    assert lr(70, "constant") == 1.0
+
+
+# ------------------------------------------------------------------------------ global BatchNorm
+
+def _batchnorm_case(world, rank):
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 5, 5, dtype=torch.float64) * 3 + 2
+    rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
+    bn = nn.BatchNorm2d(3).double()
+    bn.weight.data.uniform_()
+    if world > 1:
+        bn = common.sync_batchnorm(nn.Sequential(bn), ctx_for(rank, world))[0]
+    xin = x[rows].clone().requires_grad_()
+    out = bn(xin)
+    weights = torch.arange(x.numel(), dtype=torch.float64).view_as(x)[rows]  # the global loss, split by rows
+    (out * weights).sum().backward()
+    return {"out": out.detach(), "grad_x": xin.grad, "grad_w": bn.weight.grad,
+            "running_var": bn.running_var.clone(), "running_mean": bn.running_mean.clone()}
+
+
+def _worker_batchnorm():
+    return _batchnorm_case(2, common.rank())
+
+
+def test_gather_batchnorm_on_two_cpu_processes_equals_batchnorm_on_one(tmp_path):
+    """torch's SyncBatchNorm is CUDA-only; on gloo common.GatherBatchNorm normalises over both
+    ranks: outputs, input gradients, running statistics equal one BatchNorm on the whole batch,
+    and the weight gradient summed over ranks equals the single one."""
+    ranks = run_distributed("test_common", "_worker_batchnorm", tmp_path)
+    single = _batchnorm_case(1, 0)
+    assert isinstance(common.sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3)), ctx_for(0, 2))[0], common.GatherBatchNorm)
+    assert torch.allclose(torch.cat([r["out"] for r in ranks]), single["out"], atol=1e-12)
+    assert torch.allclose(torch.cat([r["grad_x"] for r in ranks]), single["grad_x"], atol=1e-10)
+    assert torch.allclose(ranks[0]["grad_w"] + ranks[1]["grad_w"], single["grad_w"], atol=1e-9)
+    for key in ("running_var", "running_mean"):
+        assert torch.allclose(ranks[0][key], single[key], atol=1e-12)
+
+
+# ------------------------------------------------------------------------------ checkpoints
+
+def test_crash_mid_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    path = str(tmp_path / "checkpoint.pt")
+    common.save_atomic({"epoch": 1, "w": torch.ones(3)}, path)
+
+    def crash(obj, f, *a, **k):
+        with open(f, "wb") as handle:
+            handle.write(b"half a checkpoint")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        common.save_atomic({"epoch": 2, "w": torch.zeros(3)}, path)
+    monkeypatch.undo()
+    kept = torch.load(path)
+    assert kept["epoch"] == 1 and torch.equal(kept["w"], torch.ones(3))
+
+
+def flat_tensors(obj, prefix=""):
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    if isinstance(obj, dict):
+        return {k2: v2 for k, v in obj.items() for k2, v2 in flat_tensors(v, f"{prefix}/{k}").items()}
+    if isinstance(obj, (list, tuple)):
+        return {k2: v2 for i, v in enumerate(obj) for k2, v2 in flat_tensors(v, f"{prefix}/{i}").items()}
+    return {}
+
+
+def test_resume_after_interruption_equals_an_uninterrupted_run(tiny_folder, tmp_path):
+    """2 epochs straight vs. 1 epoch, stop, --resume: identical model, optimizer and metrics."""
+    args = smoke_args(tiny_folder, tmp_path / "straight", "--epochs", "2", "--linear-epochs", "0")
+    simclr_dcl.main(args)
+    simclr_dcl.main(smoke_args(tiny_folder, tmp_path / "split", "--epochs", "2", "--stop-after", "1",
+                               "--linear-epochs", "0"))
+    assert json.loads(open(tmp_path / "split" / "metrics.jsonl").readline())["epoch"] == 1
+    assert not (tmp_path / "split" / "backbone.pt").exists()
+    simclr_dcl.main(["--resume", str(tmp_path / "split")])
+    a = torch.load(tmp_path / "straight" / "checkpoint.pt")
+    b = torch.load(tmp_path / "split" / "checkpoint.pt")
+    assert a["epoch"] == b["epoch"] == 2
+    ta, tb = flat_tensors({"m": a["model"], "o": a["optimizer"]}), flat_tensors({"m": b["model"], "o": b["optimizer"]})
+    assert ta.keys() == tb.keys() and len(ta) > 50
+    for key in ta:
+        assert torch.equal(ta[key], tb[key]), key
+    la = [json.loads(x) for x in open(tmp_path / "straight" / "metrics.jsonl")]
+    lb = [json.loads(x) for x in open(tmp_path / "split" / "metrics.jsonl")]
+    assert [x["loss"] for x in la] == [x["loss"] for x in lb]
+
+
+def test_non_finite_loss_stops_and_keeps_the_good_checkpoint(tiny_folder, tmp_path, monkeypatch, capsys):
+    simclr_dcl.main(smoke_args(tiny_folder, tmp_path, "--epochs", "2", "--stop-after", "1", "--linear-epochs", "0"))
+    good = open(tmp_path / "checkpoint.pt", "rb").read()
+    real = simclr_dcl.contrastive_loss
+    monkeypatch.setattr(simclr_dcl, "contrastive_loss", lambda *a, **k: real(*a, **k) * float("nan"))
+    with pytest.raises(SystemExit) as exit_info:
+        common.run(lambda: simclr_dcl.main(["--resume", str(tmp_path)]))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()  # after the progress bars
+    assert err[-1].startswith("error: loss became nan") and sum("error" in line for line in err) == 1
+    assert open(tmp_path / "checkpoint.pt", "rb").read() == good
+
+
+# ------------------------------------------------------------------------------ bad input
+
+def fails_with(argv, capsys, message):
+    """Run simclr_dcl as its __main__ does: one 'error:' line, exit status 2, no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        common.run(lambda: simclr_dcl.main(argv))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_missing_data_directory(tmp_path, capsys):
+    fails_with(smoke_args(tmp_path / "nowhere", tmp_path / "out"), capsys, "does not exist")
+
+
+def test_empty_data_directory(tmp_path, capsys):
+    for split in ("train", "val"):
+        os.makedirs(tmp_path / "data" / split)
+    fails_with(smoke_args(tmp_path / "data", tmp_path / "out"), capsys, "no images")
+
+
+def test_image_folder_with_one_class(tmp_path, capsys):
+    tiny_image_folder(str(tmp_path / "data"), classes=1, train_per_class=4, val_per_class=2)
+    fails_with(smoke_args(tmp_path / "data", tmp_path / "out"), capsys, "at least 2")
+
+
+def test_cifar10_without_network_or_local_copy(tmp_path, capsys, monkeypatch):
+    for proxy in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(proxy, "http://127.0.0.1:9")  # no download, even where a network exists
+    fails_with(["--dataset", "cifar10", "--data-dir", str(tmp_path), "--device", "cpu", "--out", str(tmp_path / "o")],
+               capsys, "cifar-10-python.tar.gz")
+
+
+def test_batch_of_one_per_process(tiny_folder, tmp_path, capsys):
+    fails_with(smoke_args(tiny_folder, tmp_path, "--batch-size", "1"), capsys, "at least 2 images per process")
+
+
+def test_corrupt_checkpoint(tmp_path, capsys):
+    (tmp_path / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    fails_with(["--resume", str(tmp_path)], capsys, "unreadable")
+
+
+def test_checkpoint_of_another_configuration(tiny_folder, tmp_path, capsys):
+    simclr_dcl.main(smoke_args(tiny_folder, tmp_path, "--epochs", "2", "--stop-after", "1", "--linear-epochs", "0"))
+    capsys.readouterr()
+    fails_with(["--resume", str(tmp_path), "--arch", "resnet34"], capsys, "--arch resnet18")
+
+
+def test_unknown_dataset_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        simclr_dcl.main(["--dataset", "mnist"])
+    assert exit_info.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_scripts_print_one_line_and_no_traceback(tiny_folder, tmp_path):
+    """The real script as `python` (missing data) and under torchrun (batch not divisible by 2):
+    our 'error:' line, a non-zero exit, no traceback from our code. (torchrun adds its own
+    launcher report after any failed worker; that part is torchrun's.)"""
+    one = run_script("simclr_dcl.py", smoke_args(tmp_path / "nowhere", tmp_path / "o1"))
+    assert one.returncode == 2 and one.stderr.strip().startswith("error: ") and "Traceback" not in one.stderr
+    assert len(one.stderr.strip().splitlines()) == 1
+    two = run_script("simclr_dcl.py", smoke_args(tiny_folder, tmp_path / "o2", "--batch-size", "15"), nproc=2)
+    assert two.returncode != 0
+    assert "error: --batch-size 15 must be a multiple of the 2 processes" in two.stderr
+    assert 'simclr_dcl.py", line' not in two.stderr and 'common.py", line' not in two.stderr
+
+
+# ------------------------------------------------------------------------------ other data paths
+
+def test_streaming_image_folder_and_augmented_linear_probe(tiny_folder, tmp_path):
+    """--stream decodes and crops in DataLoader workers; --linear-aug trains the probe on views."""
+    simclr_dcl.main(smoke_args(tiny_folder, tmp_path / "stream", "--stream"))
+    results = json.load(open(tmp_path / "stream" / "results.json"))
+    assert math.isfinite(results["linear_top1"]) and results["knn_top1"] >= 0
+    simclr_dcl.main(smoke_args(tiny_folder, tmp_path / "aug", "--linear-aug", "--linear-epochs", "1"))
+    assert 0 <= json.load(open(tmp_path / "aug" / "results.json"))["linear_top1"] <= 100
