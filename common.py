@@ -55,6 +55,10 @@ def positive_float(text):
     return value
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the usage docstring's layout and shows every default."""
+
+
 def add_common_args(parser):
     """The options every script shares (DESIGN section 4); method files set their own defaults."""
     a = parser.add_argument

@@ -24,7 +24,7 @@ from common import all_reduce_sum, gather, gather_with_grad
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
     common.add_common_args(parser)
     parser.add_argument("--method", choices=["mocov2", "simmoco", "simco"], default="simco",
                         help="mocov2 = queue + momentum encoder, simmoco = no queue, simco = no queue, no momentum")

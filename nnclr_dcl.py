@@ -162,7 +162,7 @@ def anchor_losses(nn1, nn2, p1, p2, temperature=0.1, loss="dcl", sigma=0.5):
     anchors = torch.stack([nn1, nn2])  # (2, B, D)
     partners = F.normalize(torch.stack([p2, p1]), dim=2)  # (2, B, D) each anchor's other-view prediction
     # every rank's partners, in rank order: gather gives (world*2, B, D) -> (2, N, D)
-    candidates = gather(partners).unflatten(0, (-1, 2)).transpose(0, 1).flatten(1, 2)
+    candidates = gather_with_grad(partners).unflatten(0, (-1, 2)).transpose(0, 1).flatten(1, 2)
     logits = anchors @ candidates.transpose(1, 2) / temperature  # (2, B, N)
     similarity = (anchors * partners).sum(2)  # (2, B) <NN(z_i^(1)), p_i^(2)>, <NN(z_i^(2)), p_i^(1)>
     pos = (similarity / temperature).flatten()  # (2B,)

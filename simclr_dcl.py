@@ -22,7 +22,7 @@ from common import all_reduce_sum, gather_with_grad
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
     common.add_common_args(parser)
     parser.add_argument("--loss", choices=["infonce", "dcl", "dclw"], default="dcl",
                         help="infonce = SimCLR, dcl = DCL Prop. 2, dclw = DCL with the vMF positive weight")

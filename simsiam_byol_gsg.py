@@ -38,7 +38,7 @@ def momentum_value(text):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
     common.add_common_args(parser)
     parser.add_argument("--method", choices=["simsiam", "byol"], default="simsiam",
                         help="simsiam: the target is the online encoder; byol: a momentum (EMA) encoder")

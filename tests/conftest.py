@@ -1,6 +1,11 @@
+import os
+import sys
+
 import pytest
 
-from helpers import tiny_image_folder
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `import common` under plain `pytest`
+
+from helpers import tiny_image_folder  # noqa: E402
 
 
 @pytest.fixture(scope="session")
