@@ -56,19 +56,16 @@ def parse_args(argv=None):
     # GSG CIFAR-10 setting (Sec. 5.1, DESIGN sec. 7): batch 512, 200 epochs, SGD 0.06 at batch 512 (= 0.03
     # per 256), wd 5e-4, no learning-rate schedule, crop scale (0.2, 1) as SimSiam's CIFAR recipe
     parser.set_defaults(batch_size=512, epochs=200, lr=0.03, wd=5e-4, warmup_epochs=0, crop_scale=(0.2, 1.0))
-    # set_defaults also stores parser-level copies of these defaults, which common.parse_args's check for
-    # options typed with --resume would read as typed; the options' own defaults (set above) are enough
-    parser._defaults.clear()
     return common.parse_args(parser, argv)
 
 
 # ------------------------------------------------------------------------------ model
 
 def mlp(dim_in, hidden, dim_out, out_bn):
-    """Linear-BN-ReLU-Linear(-BN): the 2-layer projector (with output BN) or the predictor."""
+    """Linear-BN-ReLU-Linear(-BN): the 2-layer projector (output BN without affine, as SimSiam's) or the predictor."""
     layers = [nn.Linear(dim_in, hidden, bias=False), nn.BatchNorm1d(hidden), nn.ReLU(),
               nn.Linear(hidden, dim_out, bias=not out_bn)]
-    return nn.Sequential(*layers, nn.BatchNorm1d(dim_out)) if out_bn else nn.Sequential(*layers)
+    return nn.Sequential(*layers, nn.BatchNorm1d(dim_out, affine=False)) if out_bn else nn.Sequential(*layers)
 
 
 class Encoder(nn.Module):

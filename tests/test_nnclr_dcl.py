@@ -54,7 +54,8 @@ def naive_losses(a1, a2, p1, p2, temperature, loss, sigma=0.5):
         w = 2 - vmf / vmf.mean()
         for i in range(b):
             pos = cos[i] / temperature
-            log_u = torch.logsumexp(torch.stack([anchors[i] @ partners[j] / temperature for j in range(b) if j != i]), 0)
+            negatives = [anchors[i] @ partners[j] / temperature for j in range(b) if j != i]
+            log_u = torch.logsumexp(torch.stack(negatives), 0)
             out.append({"infonce": -pos + torch.logaddexp(pos, log_u), "dcl": -pos + log_u,
                         "dclw": -w[i] * pos + log_u}[loss])
     return torch.stack(out)
@@ -63,7 +64,8 @@ def naive_losses(a1, a2, p1, p2, temperature, loss, sigma=0.5):
 def npc_multiplier(a1, a2, p1, p2, temperature=TAU):
     """q_i = 1 - exp(pos) / (exp(pos) + U_i) per anchor (DCL Eq. 8 with the NN positives) -> (2B,)."""
     with torch.no_grad():
-        dcl, infonce = naive_losses(a1, a2, p1, p2, temperature, "dcl"), naive_losses(a1, a2, p1, p2, temperature, "infonce")
+        dcl = naive_losses(a1, a2, p1, p2, temperature, "dcl")
+        infonce = naive_losses(a1, a2, p1, p2, temperature, "infonce")
         # InfoNCE - DCL = log(exp(pos) + U) - log U = -log q
         return torch.exp(dcl - infonce)
 
@@ -206,7 +208,8 @@ def test_support_set_is_a_fifo_that_wraps_around_without_dropping_rows():
     every row of a batch is kept. Stored rows carry no autograd history."""
     support = SupportSet(5, 2, torch.device("cpu"))
     assert (support.labels == -1).all() and torch.allclose(support.z.norm(dim=1), torch.ones(5))
-    batch = lambda start, n: (torch.arange(start, start + n).float()[:, None].repeat(1, 2), torch.arange(start, start + n))
+    batch = lambda start, n: (torch.arange(start, start + n).float()[:, None].repeat(1, 2),
+                              torch.arange(start, start + n))
     support.push(*batch(0, 3))
     assert support.ptr == 3 and support.labels.tolist() == [0, 1, 2, -1, -1]
     z, labels = batch(3, 4)
@@ -257,7 +260,8 @@ def test_train_step_minimises_nnclr_loss_then_enqueues_z1_and_counts_same_class_
         z = F.normalize(z.detach(), dim=1)
         nn_rows = (z @ before.T).argmax(1)
         anchor_labels = labels.repeat(2)
-        expect_same = sum(int(a >= 0 and support.labels[r] == a) for a, r in zip(anchor_labels.tolist(), nn_rows.tolist()))
+        expect_same = sum(int(a >= 0 and support.labels[r] == a)
+                          for a, r in zip(anchor_labels.tolist(), nn_rows.tolist()))
         loss, same_class, labelled = nnclr_dcl.train_step(model, optimizer, views, labels, support, step_args(), ctx)
     finally:
         torch.set_default_dtype(torch.float32)
@@ -384,10 +388,11 @@ def tiny_run(folder, out, *extra):
 def test_resume_restores_the_support_set_exactly(tiny_folder, tmp_path):
     """Stop after epoch 1, --resume, finish epoch 2: model, optimizer and support set are
     bit-for-bit those of an uninterrupted 2-epoch run (4 steps of 16 per epoch into 40 rows: wraps)."""
-    nnclr_dcl.main(tiny_run(tiny_folder, tmp_path / "cut", "--epochs", "2", "--stop-after", "1", "--linear-epochs", "0"))
+    short = ("--epochs", "2", "--linear-epochs", "0")
+    nnclr_dcl.main(tiny_run(tiny_folder, tmp_path / "cut", *short, "--stop-after", "1"))
     assert not os.path.exists(tmp_path / "cut" / "results.json")
     nnclr_dcl.main(["--resume", str(tmp_path / "cut"), "--data-dir", str(tiny_folder)])
-    nnclr_dcl.main(tiny_run(tiny_folder, tmp_path / "whole", "--epochs", "2", "--linear-epochs", "0"))
+    nnclr_dcl.main(tiny_run(tiny_folder, tmp_path / "whole", *short))
     cut = torch.load(tmp_path / "cut" / "checkpoint.pt")
     whole = torch.load(tmp_path / "whole" / "checkpoint.pt")
     assert cut["epoch"] == whole["epoch"] == 2
