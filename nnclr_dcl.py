@@ -23,7 +23,7 @@ from common import all_reduce_sum, gather, gather_with_grad
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
     common.add_common_args(parser)
     parser.add_argument("--loss", choices=["infonce", "dcl", "dclw"], default="dcl",
                         help="infonce = NNCLR, dcl = NNCLR + DCL (Prop. 2), dclw = NNCLR + DCL with the vMF weight")
@@ -36,9 +36,6 @@ def parse_args(argv=None):
     parser.add_argument("--pred-hidden", type=common.positive_int, default=4096, help="predictor hidden width")
     # NNCLR + DCL CIFAR setting (DESIGN sec. 7): batch 256, 200 epochs, SGD lr 0.06 per 256, wd 5e-4, cosine
     parser.set_defaults(batch_size=256, epochs=200, lr=0.06, wd=5e-4, warmup_epochs=10, crop_scale=(0.08, 1.0))
-    # set_defaults also keeps a parser-level copy that common.parse_args would read as typed options
-    # on --resume (then "--batch-size 16, not 256"); the options' own defaults are already set.
-    parser._defaults.clear()
     return common.parse_args(parser, argv)
 
 
@@ -201,7 +198,7 @@ def train_step(model, optimizer, views, labels, support_set, args, ctx):
     x = torch.cat(views)  # (2b, 3, S, S): one forward pass for both views
     with ctx.autocast():
         z, p = model(x)
-    z, p = z.to(support_set.z.dtype), p.to(support_set.z.dtype)  # float32 loss even under bf16 autocast
+    z, p = z.to(support_set.z.dtype), p.to(support_set.z.dtype)  # the support set's float32 under bf16 autocast
     z = F.normalize(z.detach(), dim=1)  # (2b, D) only looked up and stored: no gradient
     p1, p2 = p.chunk(2)
     # nnclr_loss(z1, z2, p1, p2, support_set.z) written out, to keep the neighbours' rows for the diagnostic

@@ -391,7 +391,7 @@ def test_resume_restores_the_support_set_exactly(tiny_folder, tmp_path):
     short = ("--epochs", "2", "--linear-epochs", "0")
     nnclr_dcl.main(tiny_run(tiny_folder, tmp_path / "cut", *short, "--stop-after", "1"))
     assert not os.path.exists(tmp_path / "cut" / "results.json")
-    nnclr_dcl.main(["--resume", str(tmp_path / "cut"), "--data-dir", str(tiny_folder)])
+    nnclr_dcl.main(["--resume", str(tmp_path / "cut")])
     nnclr_dcl.main(tiny_run(tiny_folder, tmp_path / "whole", *short))
     cut = torch.load(tmp_path / "cut" / "checkpoint.pt")
     whole = torch.load(tmp_path / "whole" / "checkpoint.pt")
