@@ -650,21 +650,24 @@ def adjust_saturation(x, factor):
 
 
 def adjust_hue(x, shift):
-    """Rotate the hue by `shift` (B,) turns, through HSV, as torchvision does."""
+    """Rotate the hue by `shift` (B,) turns, through HSV, as torchvision does.
+
+    Hue in sextants h6 in [0, 6) from the channel holding the maximum v (ties give the same hue);
+    back to RGB, channel n in (R, G, B) = v - chroma * clamp(min(k, 4 - k), 0, 1), k = (n + h6) mod 6,
+    n = 5, 3, 1, with chroma = v - min = v * s: torchvision's round trip in fewer passes.
+    """
     r, g, b = x.unbind(1)
-    value, _ = x.max(1)
-    chroma = value - x.min(1).values
-    saturation = chroma / torch.where(value > 0, value, torch.ones_like(value))
-    c = torch.where(chroma > 0, chroma, torch.ones_like(chroma))
-    hue = torch.where(value == r, (g - b) / c,
-                      torch.where(value == g, 2 + (b - r) / c, 4 + (r - g) / c))
-    hue = (hue / 6 + shift.view(-1, 1, 1)) % 1.0
-    # HSV -> RGB: channel n in (R, G, B) = v - v*s*clamp(min(k, 4-k), 0, 1), k = (n + 6h) mod 6
+    value, minimum = torch.aminmax(x, dim=1)  # (B, H, W) each, one pass
+    chroma = value - minimum
+    c = torch.where(chroma > 0, chroma, 1.0)
+    hue = torch.where(value == r, g - b,  # 6 * hue * c, as torchvision: red, then green, then blue
+                      torch.where(value == g, (b - r).add_(c, alpha=2), (r - g).add_(c, alpha=4))).div_(c)
+    hue = hue.add_(6 * shift.view(-1, 1, 1)).remainder_(6)  # (B, H, W) rotated, in [0, 6)
     n = torch.tensor([5.0, 3.0, 1.0], device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
-    k = (n + 6 * hue.unsqueeze(1)) % 6
-    ramp = torch.minimum(k, 4 - k).clamp(0, 1)
-    v, s = value.unsqueeze(1), saturation.unsqueeze(1)
-    return v - v * s * ramp
+    k = hue.unsqueeze(1) + n  # (B, 3, H, W) in [0, 12)
+    k = torch.where(k >= 6, k - 6, k)
+    ramp = torch.minimum(k, 4 - k).clamp_(0, 1)
+    return torch.addcmul(value.unsqueeze(1), chroma.unsqueeze(1), ramp, value=-1)
 
 
 def gaussian_blur(x, sigma, kernel_size):

@@ -1,5 +1,6 @@
 """Helpers shared by the tests: a tiny generated ImageFolder, running the real scripts in a
 subprocess (plain python or torchrun), and running a test function in 2 gloo processes."""
+import contextlib
 import os
 import socket
 import subprocess
@@ -66,3 +67,14 @@ def run_distributed(module, function, tmp_path, nproc=2, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(nproc)]
+
+
+@contextlib.contextmanager
+def float64():
+    """Default dtype float64 inside the block (identities and 1-vs-2-process checks are exact there)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

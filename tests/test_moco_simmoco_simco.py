@@ -1,7 +1,6 @@
 """Tests for moco_simmoco_simco.py: the identities of EQUATIONS.md sec. 2 (float64, against autograd),
 the queue and the momentum encoder, 2 processes == 1 process, --resume, and smoke runs."""
 import argparse
-import contextlib
 import json
 import os
 
@@ -12,28 +11,9 @@ import torch.nn.functional as F
 
 import common
 import moco_simmoco_simco as mss
-from helpers import run_distributed, run_script, smoke_args
+from helpers import float64, run_distributed, run_script, smoke_args
 
 TAU = 0.1
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The in-process runs use one thread, as the subprocess runs do (OMP_NUM_THREADS=1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@contextlib.contextmanager
-def float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def embeddings(b=6, d=5, k=9, seed=0):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import common
 import simclr_dcl
-from helpers import run_distributed, run_script, smoke_args
+from helpers import float64, run_distributed, run_script, smoke_args
 from simclr_dcl import anchor_losses, contrastive_loss, dclw_weights, npc_multiplier
 
 TAU = 0.1
@@ -230,11 +230,8 @@ def test_two_processes_train_like_one_process(tmp_path):
     """3 DDP steps on 2 ranks (global BatchNorm, gathered negatives, global DCLW weights) leave the
     model exactly where 3 steps of one process on the whole batch do."""
     ranks = run_distributed("test_simclr_dcl", "_worker_steps", tmp_path)
-    torch.set_default_dtype(torch.float64)
-    try:
+    with float64():
         single = _train_three_steps(common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False), slice(0, 8))
-    finally:
-        torch.set_default_dtype(torch.float32)
     torch.manual_seed(0)
     initial = simclr_dcl.SimCLR("resnet18", 4, 8, proj_hidden=16, proj_dim=8).state_dict()
     moved = 0.0

@@ -3,37 +3,17 @@ exact resume, and runs of every method x stop-gradient mode."""
 import copy
 import json
 import os
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import ROOT, run_script, run_distributed, smoke_args
-
-sys.path.insert(0, ROOT)
-import common  # noqa: E402
-import simsiam_byol_gsg as gsg  # noqa: E402
+import common
+import simsiam_byol_gsg as gsg
+from helpers import run_distributed, run_script, smoke_args
 
 MODES = ["guided", "random", "reverse"]
 TINY_HEADS = ["--proj-hidden", "32", "--proj-dim", "32", "--pred-hidden", "8"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """In-process training on a shared 2-core machine: one thread avoids oversubscription stalls."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def float64():
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(dtype)
 
 
 def D(p, z):
