@@ -657,7 +657,7 @@ def adjust_hue(x, shift):
     n = 5, 3, 1, with chroma = v - min = v * s: torchvision's round trip in fewer passes.
     """
     r, g, b = x.unbind(1)
-    value, minimum = torch.aminmax(x, dim=1)  # (B, H, W) each, one pass
+    minimum, value = torch.aminmax(x, dim=1)  # (B, H, W) each, one pass
     chroma = value - minimum
     c = torch.where(chroma > 0, chroma, 1.0)
     hue = torch.where(value == r, g - b,  # 6 * hue * c, as torchvision: red, then green, then blue

@@ -110,6 +110,19 @@ class KeyQueue(nn.Module):
 
 # ------------------------------------------------------------------------------ loss
 
+def logsumexp_rows(logits, bound):
+    """log sum_j exp(logits_ij) per row -> (R,), for logits <= `bound` (unit vectors: bound = 1/tau).
+
+    Shifting by the known bound instead of each row's maximum saves torch.logsumexp's max pass and
+    half of its backward passes over the (R, C) matrix. Overwrites `logits` (a fresh matmul output:
+    the matmul saved its inputs, not it). Exact unless a whole row lies 80 below the bound, which
+    logits >= -bound rule out for bound <= 40; larger bounds (tau < 0.025) take torch.logsumexp.
+    """
+    if bound > 40:
+        return torch.logsumexp(logits, 1)
+    return torch.exp(logits.sub_(bound)).sum(1).log() + bound
+
+
 def dual_temperature_terms(q, k, tau_alpha=0.1, tau_beta=1.0, queue=None):
     """Per-anchor parts of DT Eq. 9 -> infonce (B,), log W(tau_alpha) (B,), log W(tau_beta) (B,).
 
@@ -123,24 +136,28 @@ def dual_temperature_terms(q, k, tau_alpha=0.1, tau_beta=1.0, queue=None):
     """
     q, k = F.normalize(q, dim=1), F.normalize(k, dim=1)
     pos = (q * k).sum(1)  # (B,) <q_i, k_i>
+    # neg holds <q_i, k_j> / tau_alpha: 1/tau_alpha on the (B, D) side saves two passes over (B, N)
     if queue is not None:
-        neg = q @ queue.T  # (B, K)
+        neg = (q / tau_alpha) @ queue.T  # (B, K)
     else:
         b = q.shape[0]
-        neg = q @ gather_with_grad(k).T  # (B, N) every rank's keys, in rank order
+        neg = (q / tau_alpha) @ gather_with_grad(k).T  # (B, N) every rank's keys, in rank order
         # k_i is column rank*B + i: -inf there removes the positive from the negatives. Filling B
         # entries in place needs no (B, N) mask; it is safe because mm saves its inputs, not its output.
+        # Through a detached view: exp(-inf) = 0 sends no gradient there anyway, and a recorded fill
+        # would copy the whole (B, N) gradient in backward.
         start = common.rank() * b
-        neg[:, start:start + b].diagonal().fill_(-math.inf)
-    log_neg = torch.logsumexp(neg / tau_alpha, 1)  # (B,) log sum_j exp(<q_i,k_j>/tau_alpha)
+        neg.detach()[:, start:start + b].diagonal().fill_(-math.inf)
+    with torch.no_grad():  # the same similarities at the scalar temperature: no second matmul
+        neg_beta = None if tau_beta == tau_alpha else logsumexp_rows(neg * (tau_alpha / tau_beta), 1 / tau_beta)
+    log_neg = logsumexp_rows(neg, 1 / tau_alpha)  # (B,) log sum_j exp(<q_i,k_j>/tau_alpha); overwrites neg
     log_all = torch.logaddexp(pos / tau_alpha, log_neg)  # (B,) the positive joins the denominator
     infonce = log_all - pos / tau_alpha  # DT Eq. 1
     with torch.no_grad():
         log_w_alpha = log_neg - log_all
         if tau_beta == tau_alpha:
             log_w_beta = log_w_alpha
-        else:  # the same similarities at the scalar temperature: no second matmul
-            neg_beta = torch.logsumexp(neg.detach() / tau_beta, 1)
+        else:
             log_w_beta = neg_beta - torch.logaddexp(pos.detach() / tau_beta, neg_beta)
     return infonce, log_w_alpha, log_w_beta
 

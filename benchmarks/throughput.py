@@ -138,7 +138,7 @@ def augmentation_rows(args, ctx):
     pil = pil_rate(s, args.pil_images or 3000 * cores, cores)
     where = f"{torch.get_num_threads()} threads" if ctx.device.type == "cpu" else str(ctx.device)
     return [("aug", f"SimCLR recipe incl. hue, {s} px, one view; ours on {where} vs PIL in {cores} workers",
-             b, f"{ours:,.0f} img/s", f"{pil:,.0f} img/s", f"{ours / pil:.1f}x", "", "")]
+             b, f"{ours:,.0f} img/s", f"{pil:,.0f} img/s", f"{ours / pil:.1f}x", "", "", "")]
 
 
 # ------------------------------------------------------------------------------ training steps
@@ -314,7 +314,7 @@ def step_rows(args, ctx):
         try:
             bench = Bench(name, args, ctx)
         except Exception as error:  # e.g. a method file still being written
-            rows.append(("step", name, "", f"n/a: {type(error).__name__}: {error}"[:90], "", "", "", ""))
+            rows.append(("step", name, "", f"n/a: {type(error).__name__}: {error}"[:90], "", "", "", "", ""))
             continue
         a, s = bench.a, args.step_image_size
         n = (args.warmup + args.steps) * a.batch_size
@@ -349,7 +349,7 @@ def step_rows(args, ctx):
         memory = f"{torch.cuda.max_memory_allocated(ctx.device) / 2 ** 30:.2f} GiB" if ctx.device.type == "cuda" else "n/a"
         loss = loss_time(bench.loss_fn, a.batch_size, bench.loss_dim, ctx.device, args.reps)
         rows.append(("step", f"{name} ({a.arch} w{a.width}, {s} px, D={bench.loss_dim})", a.batch_size,
-                     f"{real:,.0f} img/s", f"{bare:,.0f} img/s (bare)", f"{real / bare:.2f}",
+                     f"{real:,.0f} img/s", f"{bare:,.0f} img/s (bare)", f"{real / bare:.2f}", "",
                      f"{100 * loss / seconds:.1f}%", memory))
         del bench, data, views
         if ctx.device.type == "cuda":
@@ -363,35 +363,40 @@ def loss_rows(args, ctx):
     import moco_simmoco_simco as dt
     import simclr_dcl
     import simsiam_byol_gsg as gsg
-    d, device = args.loss_dim, ctx.device
-    losses = {f"simclr {k}": (lambda k: lambda z1, z2: simclr_dcl.contrastive_loss(z1, z2, 0.1, k))(k)
-              for k in ("infonce", "dcl", "dclw")}
-    losses["simco (DT, symmetric)"] = lambda z1, z2: (dt.dual_temperature_loss(z1, z2, 0.1, 1.0)
-                                                      + dt.dual_temperature_loss(z2, z1, 0.1, 1.0)) / 2
-    losses["simmoco (DT, key detached)"] = lambda z1, z2: dt.dual_temperature_loss(z1, z2.detach(), 0.1, 1.0)
-    queue = F.normalize(torch.randn(65536, d, device=device), dim=1)
-    losses["mocov2 (queue K=65536)"] = lambda z1, z2: dt.dual_temperature_loss(z1, z2.detach(), 0.1, 0.1, queue)
-    losses["gsg guided"] = lambda z1, z2: gsg.global_guided_loss(
-        z1, z2, z2.detach(), z1.detach(), torch.arange(len(z1), device=device).roll(1))[0]
-    losses["simsiam symmetric"] = lambda z1, z2: gsg.symmetric_loss(z1, z2, z2.detach(), z1.detach())
+    d, device, k, q = args.loss_dim, ctx.device, 65536, 16384
+    # name -> (loss, floor): the matmul work it cannot avoid, in units of one (2B x D) @ (D x 2B)
+    losses = {f"simclr {n}": ((lambda n: lambda z1, z2: simclr_dcl.contrastive_loss(z1, z2, 0.1, n))(n), lambda b: 3)
+              for n in ("infonce", "dcl", "dclw")}
+    losses["simco (DT, symmetric)"] = (lambda z1, z2: (dt.dual_temperature_loss(z1, z2, 0.1, 1.0)
+                                                       + dt.dual_temperature_loss(z2, z1, 0.1, 1.0)) / 2, lambda b: 1.5)
+    losses["simmoco (DT, key detached)"] = (lambda z1, z2: dt.dual_temperature_loss(z1, z2.detach(), 0.1, 1.0),
+                                            lambda b: 0.5)
+    queue = F.normalize(torch.randn(k, d, device=device), dim=1)
+    losses[f"mocov2 (DT, queue K={k})"] = (lambda z1, z2: dt.dual_temperature_loss(z1, z2.detach(), 0.1, 0.1, queue),
+                                           lambda b: 2 * k / (4 * b))  # (B x K) forward + grad of q
+    losses["gsg guided (simsiam/byol)"] = (lambda z1, z2: gsg.global_guided_loss(
+        z1, z2, z2.detach(), z1.detach(), torch.arange(len(z1), device=device).roll(1))[0], lambda b: 0)
+    losses["symmetric (simsiam/byol)"] = (lambda z1, z2: gsg.symmetric_loss(z1, z2, z2.detach(), z1.detach()),
+                                          lambda b: 0)
     try:
         import nnclr_dcl
-        support = F.normalize(torch.randn(16384, d, device=device), dim=1)
-        losses["nnclr dcl (support 16384)"] = lambda z1, z2: nnclr_dcl.nnclr_loss(
-            z1.detach(), z2.detach(), z1, z2, support, 0.1, "dcl")
+        support = F.normalize(torch.randn(q, d, device=device), dim=1)
+        losses[f"nnclr dcl (support {q})"] = (lambda z1, z2: nnclr_dcl.nnclr_loss(
+            z1.detach(), z2.detach(), z1, z2, support, 0.1, "dcl"), lambda b: q / (2 * b) + 1.5)  # lookup + 2 (B x B)
     except Exception as error:
         print(f"note: nnclr_dcl not benchmarked ({type(error).__name__}: {error})", file=sys.stderr)
     rows = []
     for b in args.loss_batches:
         z = torch.randn(2 * b, d, device=device)
-        mm = best_time(lambda: z @ z.T, device, args.reps)
-        for name, fn in losses.items():
+        mm = best_time(lambda: z @ z.T, device, max(args.reps, 5))
+        for name, (fn, floor) in losses.items():
             try:
                 t = loss_time(fn, b, d, device, args.reps)
             except Exception as error:
-                rows.append(("loss", name, b, f"n/a: {type(error).__name__}"[:60], "", "", "", ""))
+                rows.append(("loss", name, b, f"n/a: {type(error).__name__}"[:60], "", "", "", "", ""))
                 continue
-            rows.append(("loss", name, b, f"{t * 1e3:.2f} ms", f"{mm * 1e3:.2f} ms (1 matmul)", f"{t / mm:.1f}x", "", ""))
+            rows.append(("loss", name, b, f"{t * 1e3:.2f} ms", f"{mm * 1e3:.2f} ms (1 matmul)", f"{t / mm:.1f}x",
+                         f"{floor(b):g}x", "", ""))
     return rows
 
 
@@ -426,7 +431,7 @@ def main(argv=None):
           f"amp={'bf16' if ctx.amp else 'off'}; channels_last={device.type == 'cuda'}; compile={args.compile}; "
           f"load average at end {load:.2f}")
     print("# command: python " + " ".join(sys.argv))
-    header = ("part", "what", "B", "ours", "baseline", "ratio", "loss share", "peak mem")
+    header = ("part", "what", "B", "ours", "baseline", "ratio", "matmul floor", "loss share", "peak mem")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
