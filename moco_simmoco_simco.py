@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
-from common import all_reduce_sum, gather, gather_with_grad
+from common import all_reduce_sum, gather, gather_with_grad, logsumexp_rows
 
 
 def parse_args(argv=None):
@@ -109,19 +109,6 @@ class KeyQueue(nn.Module):
 
 
 # ------------------------------------------------------------------------------ loss
-
-def logsumexp_rows(logits, bound):
-    """log sum_j exp(logits_ij) per row -> (R,), for logits <= `bound` (unit vectors: bound = 1/tau).
-
-    Shifting by the known bound instead of each row's maximum saves torch.logsumexp's max pass and
-    half of its backward passes over the (R, C) matrix. Overwrites `logits` (a fresh matmul output:
-    the matmul saved its inputs, not it). Exact unless a whole row lies 80 below the bound, which
-    logits >= -bound rule out for bound <= 40; larger bounds (tau < 0.025) take torch.logsumexp.
-    """
-    if bound > 40:
-        return torch.logsumexp(logits, 1)
-    return torch.exp(logits.sub_(bound)).sum(1).log() + bound
-
 
 def dual_temperature_terms(q, k, tau_alpha=0.1, tau_beta=1.0, queue=None):
     """Per-anchor parts of DT Eq. 9 -> infonce (B,), log W(tau_alpha) (B,), log W(tau_beta) (B,).

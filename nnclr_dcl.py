@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
-from common import all_reduce_sum, gather, gather_with_grad
+from common import all_reduce_sum, gather, gather_with_grad, logsumexp_rows
 
 
 def parse_args(argv=None):
@@ -160,16 +160,18 @@ def anchor_losses(nn1, nn2, p1, p2, temperature=0.1, loss="dcl", sigma=0.5):
     partners = F.normalize(torch.stack([p2, p1]), dim=2)  # (2, B, D) each anchor's other-view prediction
     # every rank's partners, in rank order: gather gives (world*2, B, D) -> (2, N, D)
     candidates = gather_with_grad(partners).unflatten(0, (-1, 2)).transpose(0, 1).flatten(1, 2)
-    logits = anchors @ candidates.transpose(1, 2) / temperature  # (2, B, N)
+    logits = (anchors / temperature) @ candidates.transpose(1, 2)  # (2, B, N); 1/tau on the small side
     similarity = (anchors * partners).sum(2)  # (2, B) <NN(z_i^(1)), p_i^(2)>, <NN(z_i^(2)), p_i^(1)>
     pos = (similarity / temperature).flatten()  # (2B,)
     if loss == "infonce":
-        return torch.logsumexp(logits, 2).flatten() - pos
+        return logsumexp_rows(logits, 1 / temperature).flatten() - pos  # unit rows: logits <= 1/tau
     # This rank's partners are columns [r*B, (r+1)*B) of the N; the positive sits on that block's
-    # diagonal. Filling it in place is safe because the matmul saves its inputs, not its output.
+    # diagonal. Filling it in place is safe because the matmul saves its inputs, not its output; through
+    # a detached view, because exp(-inf) = 0 sends no gradient there anyway and a fill that autograd
+    # records would copy the whole (2, B, N) gradient in backward.
     start = common.rank() * b
-    logits[:, :, start:start + b].diagonal(dim1=1, dim2=2).fill_(-math.inf)  # DCL Prop. 2: drop the positive
-    log_u = torch.logsumexp(logits, 2).flatten()  # (2B,) log U_i
+    logits.detach()[:, :, start:start + b].diagonal(dim1=1, dim2=2).fill_(-math.inf)  # DCL Prop. 2: drop the positive
+    log_u = logsumexp_rows(logits, 1 / temperature).flatten()  # (2B,) log U_i
     if loss == "dcl":
         return log_u - pos
     if loss == "dclw":

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
-from common import all_reduce_sum, gather_with_grad
+from common import all_reduce_sum, gather_with_grad, logsumexp_rows
 
 
 def parse_args(argv=None):
@@ -75,19 +75,6 @@ def pair_logits(z1, z2, temperature):
     block = logits.detach()[:, start:start + 2 * b]
     block.diagonal().fill_(-math.inf)  # a view is not its own negative
     return pos, logits, block
-
-
-def logsumexp_rows(logits, bound):
-    """log sum_j exp(logits_ij) per row -> (R,), for logits <= `bound` (unit vectors: bound = 1/tau).
-
-    Shifting by the known bound instead of each row's maximum saves torch.logsumexp's max pass and
-    half of its backward passes over the (R, C) matrix. Overwrites `logits` (a fresh matmul output:
-    the matmul saved its inputs, not it). Exact unless a whole row lies 80 below the bound, which
-    logits >= -bound rule out for bound <= 40; larger bounds (tau < 0.025) take torch.logsumexp.
-    """
-    if bound > 40:
-        return torch.logsumexp(logits, 1)
-    return torch.exp(logits.sub_(bound)).sum(1).log() + bound
 
 
 def contrastive_loss(z1, z2, temperature=0.1, loss="infonce", sigma=0.5):
@@ -150,11 +137,28 @@ def train_step(model, optimizer, views, args, ctx):
     with ctx.autocast():
         z = model(x)
     z1, z2 = z.to(torch.promote_types(z.dtype, torch.float32)).chunk(2)  # loss in >= float32 under bf16 autocast
-    loss = contrastive_loss(z1, z2, args.temperature, args.loss, args.sigma)
+    losses = anchor_losses(z1, z2, args.temperature, args.loss, args.sigma)  # (2b,)
+    loss = losses.mean()  # = contrastive_loss(z1, z2, ...)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
-    return loss.detach(), npc_multiplier(z1.detach(), z2.detach(), args.temperature)
+    return loss.detach(), npc_from_losses(losses.detach(), z1.detach(), z2.detach(), args.temperature, args.loss,
+                                          args.sigma)
+
+
+@torch.no_grad()
+def npc_from_losses(losses, z1, z2, temperature=0.1, loss="infonce", sigma=0.5):
+    """q_B per anchor recovered from the anchor losses, without a second (2B, 2N) matmul -> (2B,).
+
+    InfoNCE: L = -log(1 - q), so q = -expm1(-L).   DCL: L = log U - pos = logit(q).
+    DCLW: L = log U - w pos, so logit(q) = L + (w - 1) pos.
+    """
+    if loss == "infonce":
+        return -torch.expm1(-losses)
+    if loss == "dclw":
+        pos = (F.normalize(z1, dim=1) * F.normalize(z2, dim=1)).sum(1).repeat(2) / temperature
+        losses = losses + (dclw_weights(z1, z2, sigma).repeat(2) - 1) * pos
+    return torch.sigmoid(losses)
 
 
 def recipe(args):

@@ -102,8 +102,7 @@ def ema_update(target, online, momentum):
     BatchNorm running statistics are buffers, not parameters: the target keeps its own, tracked
     from its own forward passes (they are never used, the target only runs in training mode).
     """
-    for xi, theta in zip(target.parameters(), online.parameters()):
-        xi.lerp_(theta, 1 - momentum)
+    torch._foreach_lerp_(list(target.parameters()), list(online.parameters()), 1 - momentum)  # xi + (1-tau)(theta-xi)
 
 
 def ema_momentum(step, total_steps, base=0.99, schedule="constant"):
@@ -297,7 +296,7 @@ def main(argv=None):
                 ema_update(target, model.encoder, tau)
             scalars = {"loss": loss, "proj_std": proj_std}
             if case is not None:  # how often each distance was the guide (Eq. 5)
-                counts = torch.bincount(case, minlength=4).float() / len(case)
+                counts = F.one_hot(case, 4).float().mean(0)  # (4,); bincount would sync with the host
                 scalars.update({f"case_{name}": counts[c] for c, name in enumerate(CASES)})
             meter.update(lr, **scalars)
         record = meter.summary()

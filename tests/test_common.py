@@ -237,8 +237,8 @@ def test_resume_after_interruption_equals_an_uninterrupted_run(tiny_folder, tmp_
 def test_non_finite_loss_stops_and_keeps_the_good_checkpoint(tiny_folder, tmp_path, monkeypatch, capsys):
     simclr_dcl.main(smoke_args(tiny_folder, tmp_path, "--epochs", "2", "--stop-after", "1", "--linear-epochs", "0"))
     good = open(tmp_path / "checkpoint.pt", "rb").read()
-    real = simclr_dcl.contrastive_loss
-    monkeypatch.setattr(simclr_dcl, "contrastive_loss", lambda *a, **k: real(*a, **k) * float("nan"))
+    real = simclr_dcl.anchor_losses
+    monkeypatch.setattr(simclr_dcl, "anchor_losses", lambda *a, **k: real(*a, **k) * float("nan"))
     with pytest.raises(SystemExit) as exit_info:
         common.run(lambda: simclr_dcl.main(["--resume", str(tmp_path)]))
     assert exit_info.value.code == 2

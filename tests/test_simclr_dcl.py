@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import common
 import simclr_dcl
 from helpers import float64, run_distributed, run_script, smoke_args
-from simclr_dcl import anchor_losses, contrastive_loss, dclw_weights, npc_multiplier
+from simclr_dcl import anchor_losses, contrastive_loss, dclw_weights, npc_from_losses, npc_multiplier
 
 TAU = 0.1
 
@@ -164,6 +164,15 @@ def test_fig1a_mean_npc_multiplier_grows_with_batch_size():
 def test_swapping_the_views_leaves_the_loss_unchanged(loss):
     z1, z2 = unit_pairs(seed=8)
     assert torch.allclose(contrastive_loss(z1, z2, TAU, loss), contrastive_loss(z2, z1, TAU, loss), atol=1e-12)
+
+
+@pytest.mark.parametrize("loss", ["infonce", "dcl", "dclw"])
+def test_npc_multiplier_recovered_from_the_anchor_losses(loss):
+    """train_step logs q_B from the losses it already has: -expm1(-InfoNCE), sigmoid(DCL),
+    sigmoid(DCLW + (w - 1) pos), each equal to q_B = 1 - pos / (pos + U)."""
+    z1, z2 = unit_pairs(seed=9)
+    q = npc_from_losses(anchor_losses(z1, z2, TAU, loss), z1, z2, TAU, loss)
+    assert torch.allclose(q, npc_multiplier(z1, z2, TAU), atol=1e-12)
 
 
 # ------------------------------------------------------------------------------ 2 processes == 1 process
