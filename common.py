@@ -31,8 +31,13 @@ def run(main):
     try:
         main()
     except UserError as error:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
+        rank = int(os.environ.get("RANK", 0))
+        if rank != 0:
+            # Rank 0 says it. torchrun stops every worker as soon as one exits, so the others wait a
+            # moment (and are usually stopped) instead of racing rank 0's message; an error that only
+            # this rank hit is still printed.
+            time.sleep(1)
+        print(f"error: {error}" if rank == 0 else f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
         if dist.is_initialized():
