@@ -149,6 +149,7 @@ class Context:
     device: torch.device
     out: str
     amp: bool
+    script: str = ""
     is_main: bool = field(init=False)
 
     def __post_init__(self):
@@ -178,6 +179,9 @@ def setup(args, script):
         torch.backends.cudnn.benchmark = True
     elif device.type != "cpu":
         raise UserError(f"--device {args.device}: use cuda or cpu")
+    if args.checkpoint is not None and args.checkpoint.get("script", script) != script:
+        raise UserError(f"--resume {args.resume}: that run was made by {args.checkpoint['script']}.py, "
+                        f"not {script}.py; start a new --out")
     if args.batch_size % world or args.batch_size // world < 2:
         raise UserError(f"--batch-size {args.batch_size} must be a multiple of the {world} processes "
                         f"with at least 2 images per process")
@@ -189,7 +193,7 @@ def setup(args, script):
     torch.manual_seed(args.seed)  # the same initial model on every rank
     out = args.out or os.path.join("runs", f"{script}-{time.strftime('%Y%m%d-%H%M%S')}")
     args.out = out
-    ctx = Context(rank, world, local_rank, device, out, amp=args.amp and device.type == "cuda")
+    ctx = Context(rank, world, local_rank, device, out, amp=args.amp and device.type == "cuda", script=script)
     if ctx.is_main:
         os.makedirs(out, exist_ok=True)
         config = {k: v for k, v in vars(args).items() if k != "checkpoint"}
@@ -1046,7 +1050,7 @@ def save_atomic(obj, path):
 
 def save_checkpoint(ctx, state):
     if ctx.is_main:
-        save_atomic(state, os.path.join(ctx.out, "checkpoint.pt"))
+        save_atomic(dict(state, script=ctx.script), os.path.join(ctx.out, "checkpoint.pt"))
 
 
 def load_checkpoint(path):
@@ -1065,8 +1069,9 @@ def restore(module, state_dict, what, path="checkpoint"):
     try:
         module.load_state_dict(state_dict)
     except (RuntimeError, KeyError, ValueError) as error:
-        raise UserError(f"{path}: the saved {what} does not fit this model "
-                        f"({str(error).splitlines()[0][:100]}); start a new --out") from None
+        detail = " ".join(str(error).split())[:160]
+        raise UserError(f"{path}: the saved {what} does not fit this model, so the run was made with other "
+                        f"model options ({detail}); start a new --out") from None
 
 
 def finish(ctx, backbone, results):

@@ -231,9 +231,6 @@ def recipes(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.checkpoint is not None and "support_set" not in args.checkpoint:
-        raise common.UserError(f"--resume {args.resume}: not a checkpoint of nnclr_dcl.py (it has no support "
-                               f"set); start a new --out")
     saved_args = {k: v for k, v in vars(args).items() if k != "checkpoint"}
     ctx = common.setup(args, "nnclr_dcl")
     data = common.load_data(args, ctx)

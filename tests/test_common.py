@@ -295,6 +295,17 @@ def test_checkpoint_of_another_configuration(tiny_folder, tmp_path, capsys):
     fails_with(["--resume", str(tmp_path), "--arch", "resnet34"], capsys, "--arch resnet18")
 
 
+def test_checkpoint_of_another_script_is_refused_before_anything_is_written(tiny_folder, tmp_path, capsys):
+    simclr_dcl.main(smoke_args(tiny_folder, tmp_path, "--epochs", "2", "--stop-after", "1", "--linear-epochs", "0"))
+    config = (tmp_path / "config.json").read_bytes()
+    capsys.readouterr()
+    import nnclr_dcl
+    with pytest.raises(SystemExit):
+        common.run(lambda: nnclr_dcl.main(["--resume", str(tmp_path)]))
+    assert "made by simclr_dcl.py, not nnclr_dcl.py" in capsys.readouterr().err
+    assert (tmp_path / "config.json").read_bytes() == config
+
+
 def test_unknown_dataset_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         simclr_dcl.main(["--dataset", "mnist"])

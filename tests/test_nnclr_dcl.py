@@ -411,8 +411,8 @@ def test_bad_input_is_a_user_error(tiny_folder, tmp_path):
     with pytest.raises(common.UserError, match="support-size"):
         nnclr_dcl.main(smoke_args(tiny_folder, tmp_path / "a", "--support-size", "8"))
     os.makedirs(tmp_path / "b")
-    torch.save({"args": {"loss": "dcl"}, "epoch": 1, "model": {}}, tmp_path / "b" / "checkpoint.pt")
-    with pytest.raises(common.UserError, match="not a checkpoint of nnclr_dcl"):
+    torch.save({"args": {"loss": "dcl"}, "epoch": 1, "model": {}, "script": "simclr_dcl"}, tmp_path / "b" / "checkpoint.pt")
+    with pytest.raises(common.UserError, match="made by simclr_dcl.py, not nnclr_dcl.py"):
         nnclr_dcl.main(["--resume", str(tmp_path / "b")])
 
 
