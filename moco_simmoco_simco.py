@@ -1,7 +1,7 @@
 """MoCo v2, SimMoCo and SimCo with the dual-temperature InfoNCE loss.
 
 Paper: Zhang et al., "Dual Temperature Helps Contrastive Learning Without Many Negative Samples:
-Towards Understanding and Simplifying MoCo", CVPR 2022 (shared/papers/EQUATIONS.md sec. 2).
+Towards Understanding and Simplifying MoCo", CVPR 2022, arXiv:2203.17248 (Eq. numbers are the paper's).
 InfoNCE's gradient on an anchor is a scalar W_i (inter-anchor hardness) times a direction
 (intra-anchor hardness) (DT Eq. 4). Dual temperature sets the scalar at tau_beta and the direction
 at tau_alpha (DT Eq. 9). With it, MoCo v2's queue can go (SimMoCo: the current batch's keys are the

@@ -1,8 +1,8 @@
 """NNCLR with the InfoNCE, DCL or DCLW loss.
 
 Papers: Dwibedi et al., "With a Little Help from My Friends: Nearest-Neighbor Contrastive Learning"
-(NNCLR), ICCV 2021, and Yeh et al., "Decoupled Contrastive Learning", ECCV 2022, contribution 4
-(shared/papers/EQUATIONS.md sec. 4). NNCLR takes as the positive of a view not the other view but
+(NNCLR), ICCV 2021, and Yeh et al., "Decoupled Contrastive Learning", ECCV 2022, contribution 4.
+NNCLR takes as the positive of a view not the other view but
 the nearest neighbour of its projection in a support set of past projections, and asks it to pick
 the prediction of the other view among the predictions of the global batch. DCL removes the
 positive from that denominator; DCLW also up-weights hard positive pairs.
@@ -127,7 +127,7 @@ def nearest_index(z, support_set):
 
 @torch.no_grad()  # no gradient into the support set, nor through the lookup back into z
 def nearest_neighbour(z, support_set):
-    """NN(z) = argmax_{s in Q} <z, s> (EQUATIONS sec. 4): (B, D), (Q, D) unit rows -> (B, D)."""
+    """NN(z) = argmax_{s in Q} <z, s> (NNCLR's lookup): (B, D), (Q, D) unit rows -> (B, D)."""
     return support_set[nearest_index(z, support_set)]
 
 

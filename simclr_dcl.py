@@ -1,6 +1,6 @@
 """SimCLR with the InfoNCE, DCL or DCLW loss.
 
-Paper: Yeh et al., "Decoupled Contrastive Learning", ECCV 2022 (shared/papers/EQUATIONS.md sec. 1).
+Paper: Yeh et al., "Decoupled Contrastive Learning", ECCV 2022 (Prop. / Eq. numbers are the paper's).
 Two augmented views of every image pass through a ResNet and an MLP projector; each view must pick
 its partner among the 2N-1 other views of the global batch. InfoNCE's gradient carries the
 negative-positive coupling multiplier q_B (Prop. 1); DCL drops the positive from the denominator,

@@ -1,7 +1,7 @@
 """SimSiam and BYOL, with the symmetric loss or with guided stop-gradient (GSG).
 
 Paper: Lee & Lee, "Implicit Contrastive Representation Learning with Guided Stop-gradient", NeurIPS 2023
-(shared/papers/EQUATIONS.md sec. 3). SimSiam and BYOL pull two views of an image together through a
+(Eq. numbers are the paper's). SimSiam and BYOL pull two views of an image together through a
 predictor on one side and a stop-gradient on the other, and symmetrise that (Eq. 1). GSG pairs each
 image with another image of the batch and, of the two views of each image, puts the predictor on the
 two views of the pair that lie closest together (Eq. 6): chasing their targets pulls them apart, an

@@ -1,4 +1,4 @@
-"""Tests for moco_simmoco_simco.py: the identities of EQUATIONS.md sec. 2 (float64, against autograd),
+"""Tests for moco_simmoco_simco.py: the paper's identities (float64, against autograd),
 the queue and the momentum encoder, 2 processes == 1 process, --resume, and smoke runs."""
 import argparse
 import json

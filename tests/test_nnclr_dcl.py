@@ -1,4 +1,4 @@
-"""NNCLR + DCL (EQUATIONS.md section 4): the loss with nearest-neighbour positives, the support set,
+"""NNCLR + DCL: the loss with nearest-neighbour positives, the support set,
 distributed equivalence, exact resume and smoke runs of nnclr_dcl.py.
 
 Identities run in float64. The anchors NN(z) are constants; gradients are taken with respect to
@@ -44,7 +44,7 @@ def brute_force_nn(z, support_set):
 
 
 def naive_losses(a1, a2, p1, p2, temperature, loss, sigma=0.5):
-    """EQUATIONS sec. 4 anchor by anchor with explicit index sets -> (2B,): anchor a1_i picks
+    """NNCLR + DCL anchor by anchor with explicit index sets -> (2B,): anchor a1_i picks
     p_i^(2) among all p_j^(2); anchor a2_i picks p_i^(1) among all p_j^(1)."""
     out = []
     for anchors, partners in ((a1, F.normalize(p2, dim=1)), (a2, F.normalize(p1, dim=1))):
@@ -90,7 +90,7 @@ def test_nearest_neighbour_is_the_most_cosine_similar_support_row():
 
 @pytest.mark.parametrize("loss", ["infonce", "dcl", "dclw"])
 def test_support_set_holding_the_batch_gives_the_plain_loss(loss):
-    """EQUATIONS sec. 4: Q = {z of the batch} => NN(z) = z, and the loss is the plain loss between
+    """Q = {z of the batch} => NN(z) = z, and the loss is the plain loss between
     z^(1) and p^(2) (and z^(2), p^(1)), value and gradient."""
     z1, z2, p1, p2 = views_and_predictions(seed=2)
     z1, z2 = F.normalize(z1, dim=1), F.normalize(z2, dim=1)

@@ -1,4 +1,4 @@
-"""DCL identities (EQUATIONS.md section 1), distributed equivalence and smoke runs of simclr_dcl.py.
+"""The DCL paper's identities, distributed equivalence and smoke runs of simclr_dcl.py.
 
 Identities run in float64 on unit vectors; autograd gradients with respect to unit vectors pass
 through the loss's own normalisation, so closed forms are compared after the same projection

@@ -1,4 +1,4 @@
-"""simsiam_byol_gsg.py: the GSG identities of EQUATIONS.md sec. 3, BYOL's EMA, 2 processes == 1 process,
+"""simsiam_byol_gsg.py: the GSG paper's identities, BYOL's EMA, 2 processes == 1 process,
 exact resume, and runs of every method x stop-gradient mode."""
 import copy
 import json
