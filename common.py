@@ -1074,6 +1074,35 @@ def restore(module, state_dict, what, path="checkpoint"):
                         f"model options ({detail}); start a new --out") from None
 
 
+def resume(args, ctx, **states):
+    """With --resume, load each named state (model=..., optimizer=..., queue=...) from the checkpoint
+    and return the epoch to start from; 0 for a new run. None states are skipped."""
+    checkpoint, args.checkpoint = args.checkpoint, None
+    if checkpoint is None:
+        return 0
+    for name, state in states.items():
+        if state is not None:
+            if name not in checkpoint:
+                raise UserError(f"--resume {args.resume}: the checkpoint has no {name}; start a new --out")
+            restore(state, checkpoint[name], name.replace("_", " "))
+    ctx.print(f"resumed from {ctx.out} at epoch {checkpoint['epoch']}")
+    return checkpoint["epoch"]
+
+
+def end_epoch(ctx, args, epoch, record, backbone, data, saved_args, **states):
+    """Close an epoch: kNN monitor when due, one metrics line, the checkpoint (arguments, epoch and
+    every named state). Returns True when --stop-after ends this process here."""
+    if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
+        record.update(evaluate(backbone, data, ctx, args))
+    log_epoch(ctx, record)
+    save_checkpoint(ctx, {"args": saved_args, "epoch": epoch + 1,
+                          **{name: state.state_dict() for name, state in states.items() if state is not None}})
+    if args.stop_after and args.stop_after <= epoch + 1 < args.epochs:
+        ctx.print(f"stopped after epoch {epoch + 1} (--stop-after); continue with --resume {ctx.out}")
+        return True
+    return False
+
+
 def finish(ctx, backbone, results):
     """Write backbone.pt and results.json (rank 0) and print the final accuracies."""
     if ctx.is_main:

@@ -238,17 +238,8 @@ def main(argv=None):
     peak_lr = args.lr * args.batch_size / 256
     optimizer = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=0.9, weight_decay=args.wd,
                                 fused=ctx.device.type == "cuda")
-    start_epoch = 0
-    if args.checkpoint is not None:
-        common.restore(model, args.checkpoint["model"], "model")
-        common.restore(optimizer, args.checkpoint["optimizer"], "optimizer")
-        if key_encoder is not None:
-            common.restore(key_encoder, args.checkpoint["key_encoder"], "momentum encoder")
-        if queue is not None:
-            common.restore(queue, args.checkpoint["queue"], "queue")
-        start_epoch = args.checkpoint["epoch"]
-        args.checkpoint = None
-        ctx.print(f"resumed from {args.out} at epoch {start_epoch}")
+    states = {"model": model, "optimizer": optimizer, "key_encoder": key_encoder, "queue": queue}
+    start_epoch = common.resume(args, ctx, **states)
     augment = common.Augment([recipe(args), recipe(args)], data.image_size, data.mean, data.std, ctx)
     steps = common.steps_per_epoch(data, args.batch_size)
 
@@ -265,19 +256,8 @@ def main(argv=None):
             # DT Fig. 3 / Eq. 4: the anchors' weights and how unequal they are
             meter.update(lr, loss=loss, w_alpha=w_alpha, w_beta=w_beta, r_plus_entropy=entropy)
         record = meter.summary()
-        if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
-            record.update(common.evaluate(model.backbone, data, ctx, args))
-        common.log_epoch(ctx, record)
-        state = {"args": saved_args, "epoch": epoch + 1, "model": model.state_dict(),
-                 "optimizer": optimizer.state_dict()}
-        if key_encoder is not None:
-            state["key_encoder"] = key_encoder.state_dict()
-        if queue is not None:
-            state["queue"] = queue.state_dict()
-        common.save_checkpoint(ctx, state)
-        if args.stop_after and epoch + 1 >= args.stop_after and epoch + 1 < args.epochs:
-            ctx.print(f"stopped after epoch {epoch + 1} (--stop-after); continue with --resume {args.out}")
-            return
+        if common.end_epoch(ctx, args, epoch, record, model.backbone, data, saved_args, **states):
+            return  # --stop-after
 
     results = common.evaluate(model.backbone, data, ctx, args, final=True)
     common.finish(ctx, model.backbone, results)

@@ -246,14 +246,8 @@ def main(argv=None):
     optimizer = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=0.9, weight_decay=args.wd,
                                 fused=ctx.device.type == "cuda")
     support_set = SupportSet(args.support_size, args.proj_dim, ctx.device, args.seed)  # same on every rank
-    start_epoch = 0
-    if args.checkpoint is not None:
-        common.restore(model, args.checkpoint["model"], "model")
-        common.restore(optimizer, args.checkpoint["optimizer"], "optimizer")
-        support_set.load_state_dict(args.checkpoint["support_set"])
-        start_epoch = args.checkpoint["epoch"]
-        args.checkpoint = None
-        ctx.print(f"resumed from {args.out} at epoch {start_epoch}")
+    states = {"model": model, "optimizer": optimizer, "support_set": support_set}
+    start_epoch = common.resume(args, ctx, **states)
     augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
     steps = common.steps_per_epoch(data, args.batch_size)
 
@@ -272,14 +266,8 @@ def main(argv=None):
         # fraction of labelled anchors whose nearest neighbour has their class (None: no labels seen)
         same_class, labelled = record.pop("same_class"), record.pop("labelled")
         record["nn_same_class"] = same_class / labelled if labelled > 0 else None
-        if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
-            record.update(common.evaluate(model.backbone, data, ctx, args))
-        common.log_epoch(ctx, record)
-        common.save_checkpoint(ctx, {"args": saved_args, "epoch": epoch + 1, "model": model.state_dict(),
-                                     "optimizer": optimizer.state_dict(), "support_set": support_set.state_dict()})
-        if args.stop_after and epoch + 1 >= args.stop_after and epoch + 1 < args.epochs:
-            ctx.print(f"stopped after epoch {epoch + 1} (--stop-after); continue with --resume {args.out}")
-            return
+        if common.end_epoch(ctx, args, epoch, record, model.backbone, data, saved_args, **states):
+            return  # --stop-after
 
     results = common.evaluate(model.backbone, data, ctx, args, final=True)
     common.finish(ctx, model.backbone, results)

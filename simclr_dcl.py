@@ -180,13 +180,8 @@ def main(argv=None):
     peak_lr = args.lr * args.batch_size / 256
     optimizer = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=0.9, weight_decay=args.wd,
                                 fused=ctx.device.type == "cuda")
-    start_epoch = 0
-    if args.checkpoint is not None:
-        common.restore(model, args.checkpoint["model"], "model")
-        common.restore(optimizer, args.checkpoint["optimizer"], "optimizer")
-        start_epoch = args.checkpoint["epoch"]
-        args.checkpoint = None
-        ctx.print(f"resumed from {args.out} at epoch {start_epoch}")
+    states = {"model": model, "optimizer": optimizer}  # what the checkpoint holds besides args and epoch
+    start_epoch = common.resume(args, ctx, **states)
     augment = common.Augment([recipe(args), recipe(args)], data.image_size, data.mean, data.std, ctx)
     steps = common.steps_per_epoch(data, args.batch_size)
 
@@ -205,14 +200,8 @@ def main(argv=None):
         # DCL Fig. 1: mean NPC multiplier <q_B> and its coefficient of variation over the epoch
         npc_sq = record.pop("npc_sq")
         record["npc_cv"] = math.sqrt(max(npc_sq - record["npc_mean"] ** 2, 0.0)) / max(record["npc_mean"], 1e-12)
-        if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
-            record.update(common.evaluate(model.backbone, data, ctx, args))
-        common.log_epoch(ctx, record)
-        common.save_checkpoint(ctx, {"args": saved_args, "epoch": epoch + 1, "model": model.state_dict(),
-                                     "optimizer": optimizer.state_dict()})
-        if args.stop_after and epoch + 1 >= args.stop_after and epoch + 1 < args.epochs:
-            ctx.print(f"stopped after epoch {epoch + 1} (--stop-after); continue with --resume {args.out}")
-            return
+        if common.end_epoch(ctx, args, epoch, record, model.backbone, data, saved_args, **states):
+            return  # --stop-after
 
     results = common.evaluate(model.backbone, data, ctx, args, final=True)
     common.finish(ctx, model.backbone, results)

@@ -266,15 +266,8 @@ def main(argv=None):
     peak_lr = args.lr * args.batch_size / 256
     optimizer = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=0.9, weight_decay=args.wd,
                                 fused=ctx.device.type == "cuda")
-    start_epoch = 0
-    if args.checkpoint is not None:
-        common.restore(model, args.checkpoint["model"], "model")
-        common.restore(optimizer, args.checkpoint["optimizer"], "optimizer")
-        if target is not None:
-            common.restore(target, args.checkpoint.get("target", {}), "BYOL target")
-        start_epoch = args.checkpoint["epoch"]
-        args.checkpoint = None
-        ctx.print(f"resumed from {args.out} at epoch {start_epoch}")
+    states = {"model": model, "optimizer": optimizer, "target": target}  # target: BYOL's EMA encoder
+    start_epoch = common.resume(args, ctx, **states)
     augment = common.Augment([recipe(args, 0), recipe(args, 1)], data.image_size, data.mean, data.std, ctx)
     steps = common.steps_per_epoch(data, args.batch_size)
     total_steps = args.epochs * steps
@@ -302,17 +295,8 @@ def main(argv=None):
         record = meter.summary()
         if target is not None:
             record["ema"] = tau
-        if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
-            record.update(common.evaluate(model.encoder.backbone, data, ctx, args))
-        common.log_epoch(ctx, record)
-        state = {"args": saved_args, "epoch": epoch + 1, "model": model.state_dict(),
-                 "optimizer": optimizer.state_dict()}
-        if target is not None:
-            state["target"] = target.state_dict()
-        common.save_checkpoint(ctx, state)
-        if args.stop_after and epoch + 1 >= args.stop_after and epoch + 1 < args.epochs:
-            ctx.print(f"stopped after epoch {epoch + 1} (--stop-after); continue with --resume {args.out}")
-            return
+        if common.end_epoch(ctx, args, epoch, record, model.encoder.backbone, data, saved_args, **states):
+            return  # --stop-after
 
     results = common.evaluate(model.encoder.backbone, data, ctx, args, final=True)
     common.finish(ctx, model.encoder.backbone, results)
