@@ -65,7 +65,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 def add_common_args(parser):
-    """The options every script shares (DESIGN section 4); method files set their own defaults."""
+    """The options every script shares ; method files set their own defaults."""
     a = parser.add_argument
     a("--dataset", choices=["cifar10", "cifar100", "stl10", "imagefolder"], default="cifar10",
       help="training data; imagefolder reads DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*")

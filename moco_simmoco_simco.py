@@ -38,7 +38,7 @@ def parse_args(argv=None):
     parser.add_argument("--key-momentum", type=float, default=0.99, help="m of the momentum (key) encoder EMA")
     parser.add_argument("--proj-hidden", type=common.positive_int, default=2048, help="projector hidden width")
     parser.add_argument("--proj-dim", type=common.positive_int, default=128, help="projection dimension D")
-    # the paper's CIFAR setting (DESIGN sec. 7): batch 256, 200 epochs, SGD lr 0.03 per 256, wd 5e-4
+    # the paper's CIFAR setting: batch 256, 200 epochs, SGD lr 0.03 per 256, wd 5e-4
     parser.set_defaults(batch_size=256, epochs=200, lr=0.03, wd=5e-4, warmup_epochs=10, crop_scale=(0.08, 1.0))
     args = common.parse_args(parser, argv)
     if args.tau_beta is None:  # MoCo v2 is plain InfoNCE unless --tau-beta asks for dual temperature

@@ -30,7 +30,7 @@ def parse_args(argv=None):
     parser.add_argument("--sigma", type=common.positive_float, default=0.5, help="DCLW weight temperature")
     parser.add_argument("--proj-hidden", type=common.positive_int, default=2048, help="projector hidden width")
     parser.add_argument("--proj-dim", type=common.positive_int, default=128, help="projection dimension D")
-    # SimCLR / DCL CIFAR setting (DESIGN sec. 7): batch 256, 200 epochs, SGD lr 0.06 per 256, wd 5e-4
+    # SimCLR / DCL CIFAR setting: batch 256, 200 epochs, SGD lr 0.06 per 256, wd 5e-4
     parser.set_defaults(batch_size=256, epochs=200, lr=0.06, wd=5e-4, warmup_epochs=10, crop_scale=(0.08, 1.0))
     return common.parse_args(parser, argv)
 

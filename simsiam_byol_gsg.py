@@ -53,7 +53,7 @@ def parse_args(argv=None):
     parser.add_argument("--proj-hidden", type=common.positive_int, default=2048, help="projector hidden width")
     parser.add_argument("--proj-dim", type=common.positive_int, default=2048, help="projection dimension D")
     parser.add_argument("--pred-hidden", type=common.positive_int, default=512, help="predictor bottleneck width")
-    # GSG CIFAR-10 setting (Sec. 5.1, DESIGN sec. 7): batch 512, 200 epochs, SGD 0.06 at batch 512 (= 0.03
+    # GSG CIFAR-10 setting (Sec. 5.1): batch 512, 200 epochs, SGD 0.06 at batch 512 (= 0.03
     # per 256), wd 5e-4, no learning-rate schedule, crop scale (0.2, 1) as SimSiam's CIFAR recipe
     parser.set_defaults(batch_size=512, epochs=200, lr=0.03, wd=5e-4, warmup_epochs=0, crop_scale=(0.2, 1.0))
     return common.parse_args(parser, argv)

@@ -1,6 +1,6 @@
 """Throughput benchmark: does the device ever wait? One table, every figure from this run on this device.
 
-Rows of the table (DESIGN sec. 10):
+Rows of the table:
   aug   images/s of common.Augment (batched, per-sample parameters, the SimCLR recipe with hue) vs
         torchvision's per-image PIL pipeline for the same recipe in a DataLoader with one worker
         per core (on CPU ours runs on the same cores, as torch threads).

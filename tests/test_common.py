@@ -1,5 +1,5 @@
 """common.py: augmentation against torchvision, evaluation, schedule, global BatchNorm, checkpoints
-and resume, and the bad-input cases of DESIGN section 9 (run through simclr_dcl.py)."""
+and resume, and every bad-input case (run through simclr_dcl.py)."""
 import json
 import math
 import os
