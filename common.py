@@ -362,13 +362,14 @@ class BasicBlock(nn.Module):
         self.bn1 = nn.BatchNorm2d(c)
         self.conv2 = nn.Conv2d(c, c, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(c)
-        self.shortcut = nn.Sequential()
+        self.downsample = None
         if stride != 1 or c_in != c:
-            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c, 1, stride, bias=False), nn.BatchNorm2d(c))
+            self.downsample = nn.Sequential(nn.Conv2d(c_in, c, 1, stride, bias=False), nn.BatchNorm2d(c))
 
     def forward(self, x):
         out = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+        identity = x if self.downsample is None else self.downsample(x)
+        return F.relu(self.bn2(self.conv2(out)) + identity)
 
 
 class Bottleneck(nn.Module):
@@ -378,51 +379,62 @@ class Bottleneck(nn.Module):
         super().__init__()
         self.conv1 = nn.Conv2d(c_in, c, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, stride, 1, bias=False)
+        self.conv2 = nn.Conv2d(c, c, 3, stride, 1, bias=False)  # stride on the 3x3, as torchvision (v1.5)
         self.bn2 = nn.BatchNorm2d(c)
         self.conv3 = nn.Conv2d(c, 4 * c, 1, bias=False)
         self.bn3 = nn.BatchNorm2d(4 * c)
-        self.shortcut = nn.Sequential()
+        self.downsample = None
         if stride != 1 or c_in != 4 * c:
-            self.shortcut = nn.Sequential(nn.Conv2d(c_in, 4 * c, 1, stride, bias=False), nn.BatchNorm2d(4 * c))
+            self.downsample = nn.Sequential(nn.Conv2d(c_in, 4 * c, 1, stride, bias=False),
+                                            nn.BatchNorm2d(4 * c))
 
     def forward(self, x):
         out = F.relu(self.bn1(self.conv1(x)))
         out = F.relu(self.bn2(self.conv2(out)))
-        return F.relu(self.bn3(self.conv3(out)) + self.shortcut(x))
+        identity = x if self.downsample is None else self.downsample(x)
+        return F.relu(self.bn3(self.conv3(out)) + identity)
 
 
 class ResNet(nn.Module):
     """ResNet-18/34/50 backbone: image (B, 3, S, S) -> features (B, out_dim), no classifier.
 
+    Written out (not torchvision's class) so that `width` can shrink every layer for CPU runs;
+    module names are torchvision's, so at width 64 the state_dict loads into
+    torchvision.models.resnet18/34/50 (with `fc` dropped) unchanged.
     Images up to 64 px get the CIFAR stem (3x3 stride-1 conv, no max-pool): the ImageNet stem
     would shrink a 32 px image to 8 px before the first block.
     """
     LAYERS = {"resnet18": (BasicBlock, [2, 2, 2, 2]), "resnet34": (BasicBlock, [3, 4, 6, 3]),
               "resnet50": (Bottleneck, [3, 4, 6, 3])}
 
-    def __init__(self, arch="resnet18", width=64, image_size=32):
+    def __init__(self, arch="resnet18", width=64, image_size=32, zero_init_residual=False):
         super().__init__()
         block, blocks = self.LAYERS[arch]
-        if image_size <= 64:
-            self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
-        else:
-            self.stem = nn.Sequential(nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-                                      nn.MaxPool2d(3, 2, 1))
-        stages, c_in = [], width
+        small = image_size <= 64
+        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False) if small else \
+            nn.Conv2d(3, width, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.maxpool = nn.Identity() if small else nn.MaxPool2d(3, 2, 1)
+        c_in = width
         for i, n in enumerate(blocks):
-            c = width * 2 ** i
+            layer = []
             for j in range(n):
-                stages.append(block(c_in, c, stride=2 if i > 0 and j == 0 else 1))
-                c_in = c * block.expansion
-        self.stages = nn.Sequential(*stages)
+                layer.append(block(c_in, width * 2 ** i, stride=2 if i > 0 and j == 0 else 1))
+                c_in = width * 2 ** i * block.expansion
+            setattr(self, f"layer{i + 1}", nn.Sequential(*layer))
         self.out_dim = c_in
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        if zero_init_residual:  # each residual branch starts as zero: every block starts as identity
+            for m in self.modules():
+                if isinstance(m, (BasicBlock, Bottleneck)):
+                    nn.init.zeros_(m.bn3.weight if isinstance(m, Bottleneck) else m.bn2.weight)
 
     def forward(self, x):
-        return torch.flatten(F.adaptive_avg_pool2d(self.stages(self.stem(x)), 1), 1)
+        x = self.maxpool(F.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
 
 
 # ------------------------------------------------------------------------------ data

@@ -96,4 +96,4 @@ def test_stl10_training_run_uses_the_imagenet_stem(tmp_path, no_md5):
                      "--device", "cpu", "--linear-epochs", "2", "--out", str(out)])
     assert json.load(open(out / "results.json"))["knn_k1_top1"] >= 0
     backbone = torch.load(out / "backbone.pt")
-    assert backbone["stem.0.weight"].shape[-1] == 7  # 96 px > 64 px: 7x7 stride-2 stem with max-pool
+    assert backbone["conv1.weight"].shape[-1] == 7  # 96 px > 64 px: 7x7 stride-2 stem with max-pool
