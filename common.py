@@ -60,6 +60,21 @@ def positive_float(text):
     return value
 
 
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text}")
+    return value
+
+
+def momentum_value(text):
+    """An EMA momentum m in [0, 1): target <- m * target + (1 - m) * online."""
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """--help keeps the usage docstring's layout and shows every default."""
 
@@ -80,7 +95,8 @@ def add_common_args(parser):
     a("--workers", type=int, default=min(8, os.cpu_count() or 1), help="DataLoader workers for decoding")
     a("--arch", choices=["resnet18", "resnet34", "resnet50"], default="resnet18", help="backbone")
     a("--width", type=positive_int, default=64, help="base channel count (64 = standard ResNet)")
-    a("--epochs", type=positive_int, default=200, help="pre-training epochs")
+    a("--epochs", type=non_negative_int, default=200,
+      help="pre-training epochs (0: evaluate the untrained network)")
     a("--batch-size", type=positive_int, default=256, help="global batch, split evenly across ranks")
     a("--lr", type=positive_float, default=0.06, help="base learning rate per 256 images (lr = LR * batch / 256)")
     a("--wd", type=float, default=5e-4, help="weight decay")
@@ -274,6 +290,11 @@ def all_reduce_sum(x):
         x = x.clone()
         dist.all_reduce(x)
     return x
+
+
+def float32(t):
+    """The loss's precision: bf16 outputs of autocast -> float32; float32 and float64 unchanged."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def logsumexp_rows(logits, bound):
