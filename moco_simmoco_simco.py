@@ -40,7 +40,7 @@ def parse_args(argv=None):
     parser.add_argument("--proj-dim", type=common.positive_int, default=128, help="projection dimension D")
     # the paper's CIFAR setting: batch 256, 200 epochs, SGD lr 0.03 per 256, wd 5e-4
     parser.set_defaults(batch_size=256, epochs=200, lr=0.03, wd=5e-4, warmup_epochs=10, crop_scale=(0.08, 1.0))
-    args = common.parse_args(parser, argv)
+    args = common.parse_args(parser, argv, "moco_simmoco_simco")
     if args.tau_beta is None:  # MoCo v2 is plain InfoNCE unless --tau-beta asks for dual temperature
         args.tau_beta = args.tau_alpha if args.method == "mocov2" else 1.0
     if not 0 <= args.key_momentum < 1:
@@ -226,41 +226,52 @@ def recipe(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    saved_args = {k: v for k, v in vars(args).items() if k != "checkpoint"}
-    ctx = common.setup(args, "moco_simmoco_simco")
+    ctx = common.setup(args)  # this process's device; the process group under torchrun
     data = common.load_data(args, ctx)
-    common.fit_batch_to_data(args, data, ctx)
     args.image_size = data.image_size
-    model = Encoder(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim).to(ctx.device)
+    torch.manual_seed(args.seed)  # the same initial model on every rank
+    model = Encoder(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim)
+    model = model.to(ctx.device)
     key_encoder = momentum_encoder(model, ctx) if args.method != "simco" else None
-    queue = KeyQueue(args.queue_size, args.proj_dim).to(ctx.device) if args.method == "mocov2" else None
-    net = common.distribute(model, ctx, args.compile)  # DDP + global BatchNorm; `model` stays the bare module
+    queue = KeyQueue(args.queue_size, args.proj_dim).to(ctx.device) if args.method == "mocov2" \
+        else None
+    net = common.distribute(model, ctx)  # global BatchNorm + DDP; `model` stays bare
+    if args.compile:
+        net = common.compile_model(net, ctx)
     peak_lr = args.lr * args.batch_size / 256
     optimizer = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=0.9, weight_decay=args.wd,
                                 fused=ctx.device.type == "cuda")
     states = {"model": model, "optimizer": optimizer, "key_encoder": key_encoder, "queue": queue}
-    start_epoch = common.resume(args, ctx, **states)
+    start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
+    common.start_run(args, ctx, "moco_simmoco_simco")
     augment = common.Augment([recipe(args), recipe(args)], data.image_size, data.mean, data.std, ctx)
-    steps = common.steps_per_epoch(data, args.batch_size)
+    steps = len(data) // args.batch_size
 
     for epoch in range(start_epoch, args.epochs):
-        generator = common.epoch_generator(args.seed, epoch, ctx.device)
+        order = common.epoch_generator(args.seed, epoch)  # data order, on the CPU
+        generator = common.epoch_generator(args.seed, epoch, ctx.device)  # augmentation
         meter = common.EpochMeter(ctx, epoch, args.epochs, steps, args.batch_size)
-        batches = common.train_batches(data, epoch, args.batch_size, generator, ctx, args.workers)
+        batches = common.train_batches(data, args.batch_size, order, ctx, args.workers)
         for step, (images, _) in enumerate(batches):
-            lr = common.learning_rate(epoch * steps + step, args.epochs * steps, args.warmup_epochs * steps, peak_lr)
+            lr = common.learning_rate(epoch * steps + step, args.epochs * steps,
+                                      args.warmup_epochs * steps, peak_lr)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             views = augment(images, generator)
-            loss, (w_alpha, w_beta, entropy) = train_step(net, optimizer, views, args, ctx, key_encoder, queue)
+            loss, (w_alpha, w_beta, entropy) = train_step(net, optimizer, views, args, ctx,
+                                                          key_encoder, queue)
             # DT Fig. 3 / Eq. 4: the anchors' weights and how unequal they are
             meter.update(lr, loss=loss, w_alpha=w_alpha, w_beta=w_beta, r_plus_entropy=entropy)
         record = meter.summary()
-        if common.end_epoch(ctx, args, epoch, record, model.backbone, data, saved_args, **states):
-            return  # --stop-after
+        common.check_finite(record)
+        if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
+            record.update(common.evaluate(model.backbone, data, ctx, args))
+        common.log_epoch(ctx, record)
+        common.save_checkpoint(ctx, epoch + 1, states)
+        if args.stop_after == epoch + 1 < args.epochs:
+            return ctx.print(f"stopped after epoch {epoch + 1}: continue with --resume {ctx.out}")
 
-    results = common.evaluate(model.backbone, data, ctx, args, final=True)
-    common.finish(ctx, model.backbone, results)
+    common.finish(ctx, model.backbone, common.evaluate(model.backbone, data, ctx, args, final=True))
 
 
 if __name__ == "__main__":

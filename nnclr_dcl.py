@@ -36,7 +36,7 @@ def parse_args(argv=None):
     parser.add_argument("--pred-hidden", type=common.positive_int, default=4096, help="predictor hidden width")
     # NNCLR + DCL CIFAR setting: batch 256, 200 epochs, SGD lr 0.06 per 256, wd 5e-4, cosine
     parser.set_defaults(batch_size=256, epochs=200, lr=0.06, wd=5e-4, warmup_epochs=10, crop_scale=(0.08, 1.0))
-    return common.parse_args(parser, argv)
+    return common.parse_args(parser, argv, "nnclr_dcl")
 
 
 # ------------------------------------------------------------------------------ model
@@ -231,46 +231,55 @@ def recipes(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    saved_args = {k: v for k, v in vars(args).items() if k != "checkpoint"}
-    ctx = common.setup(args, "nnclr_dcl")
+    ctx = common.setup(args)  # this process's device; the process group under torchrun
     data = common.load_data(args, ctx)
-    common.fit_batch_to_data(args, data, ctx)
-    if args.support_size < args.batch_size:
-        raise common.UserError(f"--support-size {args.support_size} is smaller than the global batch "
-                               f"{args.batch_size}; it must hold at least one batch")
     args.image_size = data.image_size
+    if args.support_size < args.batch_size:
+        raise common.UserError(f"--support-size {args.support_size} is smaller than the global "
+                               f"batch {args.batch_size}; it must hold at least one batch")
+    torch.manual_seed(args.seed)  # the same initial model on every rank
     model = NNCLR(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim,
-                  args.pred_hidden).to(ctx.device)
-    net = common.distribute(model, ctx, args.compile)  # DDP + global BatchNorm; `model` stays the bare module
+                  args.pred_hidden)
+    net = common.distribute(model.to(ctx.device), ctx)  # global BatchNorm + DDP; `model` stays bare
+    if args.compile:
+        net = common.compile_model(net, ctx)
     peak_lr = args.lr * args.batch_size / 256
     optimizer = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=0.9, weight_decay=args.wd,
                                 fused=ctx.device.type == "cuda")
-    support_set = SupportSet(args.support_size, args.proj_dim, ctx.device, args.seed)  # same on every rank
+    support_set = SupportSet(args.support_size, args.proj_dim, ctx.device, args.seed)
     states = {"model": model, "optimizer": optimizer, "support_set": support_set}
-    start_epoch = common.resume(args, ctx, **states)
+    start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
+    common.start_run(args, ctx, "nnclr_dcl")
     augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
-    steps = common.steps_per_epoch(data, args.batch_size)
+    steps = len(data) // args.batch_size
 
     for epoch in range(start_epoch, args.epochs):
-        generator = common.epoch_generator(args.seed, epoch, ctx.device)
+        order = common.epoch_generator(args.seed, epoch)  # data order, on the CPU
+        generator = common.epoch_generator(args.seed, epoch, ctx.device)  # augmentation
         meter = common.EpochMeter(ctx, epoch, args.epochs, steps, args.batch_size)
-        batches = common.train_batches(data, epoch, args.batch_size, generator, ctx, args.workers)
+        batches = common.train_batches(data, args.batch_size, order, ctx, args.workers)
         for step, (images, labels) in enumerate(batches):
-            lr = common.learning_rate(epoch * steps + step, args.epochs * steps, args.warmup_epochs * steps, peak_lr)
+            lr = common.learning_rate(epoch * steps + step, args.epochs * steps,
+                                      args.warmup_epochs * steps, peak_lr)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             views = augment(images, generator)
-            loss, same_class, labelled = train_step(net, optimizer, views, labels, support_set, args, ctx)
+            loss, same_class, labelled = train_step(net, optimizer, views, labels, support_set,
+                                                    args, ctx)
             meter.update(lr, loss=loss, same_class=same_class, labelled=labelled)
         record = meter.summary()
-        # fraction of labelled anchors whose nearest neighbour has their class (None: no labels seen)
+        common.check_finite(record)
+        # the fraction of labelled anchors whose nearest neighbour has their class
         same_class, labelled = record.pop("same_class"), record.pop("labelled")
         record["nn_same_class"] = same_class / labelled if labelled > 0 else None
-        if common.end_epoch(ctx, args, epoch, record, model.backbone, data, saved_args, **states):
-            return  # --stop-after
+        if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
+            record.update(common.evaluate(model.backbone, data, ctx, args))
+        common.log_epoch(ctx, record)
+        common.save_checkpoint(ctx, epoch + 1, states)
+        if args.stop_after == epoch + 1 < args.epochs:
+            return ctx.print(f"stopped after epoch {epoch + 1}: continue with --resume {ctx.out}")
 
-    results = common.evaluate(model.backbone, data, ctx, args, final=True)
-    common.finish(ctx, model.backbone, results)
+    common.finish(ctx, model.backbone, common.evaluate(model.backbone, data, ctx, args, final=True))
 
 
 if __name__ == "__main__":

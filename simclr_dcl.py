@@ -32,7 +32,7 @@ def parse_args(argv=None):
     parser.add_argument("--proj-dim", type=common.positive_int, default=128, help="projection dimension D")
     # SimCLR / DCL CIFAR setting: batch 256, 200 epochs, SGD lr 0.06 per 256, wd 5e-4
     parser.set_defaults(batch_size=256, epochs=200, lr=0.06, wd=5e-4, warmup_epochs=10, crop_scale=(0.08, 1.0))
-    return common.parse_args(parser, argv)
+    return common.parse_args(parser, argv, "simclr_dcl")
 
 
 # ------------------------------------------------------------------------------ model
@@ -170,41 +170,49 @@ def recipe(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    saved_args = {k: v for k, v in vars(args).items() if k != "checkpoint"}
-    ctx = common.setup(args, "simclr_dcl")
+    ctx = common.setup(args)  # this process's device; the process group under torchrun
     data = common.load_data(args, ctx)
-    common.fit_batch_to_data(args, data, ctx)
     args.image_size = data.image_size
-    model = SimCLR(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim).to(ctx.device)
-    net = common.distribute(model, ctx, args.compile)  # DDP + global BatchNorm; `model` stays the bare module
+    torch.manual_seed(args.seed)  # the same initial model on every rank
+    model = SimCLR(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim)
+    net = common.distribute(model.to(ctx.device), ctx)  # global BatchNorm + DDP; `model` stays bare
+    if args.compile:
+        net = common.compile_model(net, ctx)
     peak_lr = args.lr * args.batch_size / 256
     optimizer = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=0.9, weight_decay=args.wd,
                                 fused=ctx.device.type == "cuda")
-    states = {"model": model, "optimizer": optimizer}  # what the checkpoint holds besides args and epoch
-    start_epoch = common.resume(args, ctx, **states)
+    states = {"model": model, "optimizer": optimizer}  # what checkpoint.pt holds
+    start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
+    common.start_run(args, ctx, "simclr_dcl")
     augment = common.Augment([recipe(args), recipe(args)], data.image_size, data.mean, data.std, ctx)
-    steps = common.steps_per_epoch(data, args.batch_size)
+    steps = len(data) // args.batch_size
 
     for epoch in range(start_epoch, args.epochs):
-        generator = common.epoch_generator(args.seed, epoch, ctx.device)
+        order = common.epoch_generator(args.seed, epoch)  # data order, on the CPU
+        generator = common.epoch_generator(args.seed, epoch, ctx.device)  # augmentation
         meter = common.EpochMeter(ctx, epoch, args.epochs, steps, args.batch_size)
-        batches = common.train_batches(data, epoch, args.batch_size, generator, ctx, args.workers)
+        batches = common.train_batches(data, args.batch_size, order, ctx, args.workers)
         for step, (images, _) in enumerate(batches):
-            lr = common.learning_rate(epoch * steps + step, args.epochs * steps, args.warmup_epochs * steps, peak_lr)
+            lr = common.learning_rate(epoch * steps + step, args.epochs * steps,
+                                      args.warmup_epochs * steps, peak_lr)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             views = augment(images, generator)
             loss, q = train_step(net, optimizer, views, args, ctx)
             meter.update(lr, loss=loss, npc_mean=q.mean(), npc_sq=(q * q).mean())
         record = meter.summary()
-        # DCL Fig. 1: mean NPC multiplier <q_B> and its coefficient of variation over the epoch
+        common.check_finite(record)
+        # DCL Fig. 1: the mean NPC multiplier <q_B> and its coefficient of variation
         npc_sq = record.pop("npc_sq")
-        record["npc_cv"] = math.sqrt(max(npc_sq - record["npc_mean"] ** 2, 0.0)) / max(record["npc_mean"], 1e-12)
-        if common.end_epoch(ctx, args, epoch, record, model.backbone, data, saved_args, **states):
-            return  # --stop-after
+        record["npc_cv"] = math.sqrt(max(npc_sq - record["npc_mean"] ** 2, 0)) / record["npc_mean"]
+        if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
+            record.update(common.evaluate(model.backbone, data, ctx, args))
+        common.log_epoch(ctx, record)
+        common.save_checkpoint(ctx, epoch + 1, states)
+        if args.stop_after == epoch + 1 < args.epochs:
+            return ctx.print(f"stopped after epoch {epoch + 1}: continue with --resume {ctx.out}")
 
-    results = common.evaluate(model.backbone, data, ctx, args, final=True)
-    common.finish(ctx, model.backbone, results)
+    common.finish(ctx, model.backbone, common.evaluate(model.backbone, data, ctx, args, final=True))
 
 
 if __name__ == "__main__":

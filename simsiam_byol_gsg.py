@@ -56,7 +56,7 @@ def parse_args(argv=None):
     # GSG CIFAR-10 setting (Sec. 5.1): batch 512, 200 epochs, SGD 0.06 at batch 512 (= 0.03
     # per 256), wd 5e-4, no learning-rate schedule, crop scale (0.2, 1) as SimSiam's CIFAR recipe
     parser.set_defaults(batch_size=512, epochs=200, lr=0.03, wd=5e-4, warmup_epochs=0, crop_scale=(0.2, 1.0))
-    return common.parse_args(parser, argv)
+    return common.parse_args(parser, argv, "simsiam_byol_gsg")
 
 
 # ------------------------------------------------------------------------------ model
@@ -247,59 +247,67 @@ def recipe(args, view):
 
 def main(argv=None):
     args = parse_args(argv)
-    saved_args = {k: v for k, v in vars(args).items() if k != "checkpoint"}
-    ctx = common.setup(args, "simsiam_byol_gsg")
+    ctx = common.setup(args)  # this process's device; the process group under torchrun
     data = common.load_data(args, ctx)
-    common.fit_batch_to_data(args, data, ctx)
     args.image_size = data.image_size
-    model = SiameseNet(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim, args.pred_hidden,
-                       predictor=not args.no_predictor).to(ctx.device)
+    torch.manual_seed(args.seed)  # the same initial model on every rank
+    model = SiameseNet(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim,
+                       args.pred_hidden, predictor=not args.no_predictor).to(ctx.device)
     target = None
     if args.method == "byol":
-        # BYOL's target starts as a copy of the online encoder and only moves by EMA; its BatchNorm
-        # must be global too, or N processes would normalise the targets differently from one
+        # BYOL's target starts as a copy of the online encoder and moves only by EMA; its
+        # BatchNorm is global too, or N processes would normalise the targets differently
         target = common.sync_batchnorm(copy.deepcopy(model.encoder), ctx).requires_grad_(False)
-        if ctx.device.type == "cuda":
-            target = target.to(memory_format=torch.channels_last)
-    net = common.distribute(model, ctx, args.compile)  # DDP + global BatchNorm; `model` stays the bare module
-    target_net = torch.compile(target) if args.compile and target is not None else target
+        target = target.to(memory_format=torch.channels_last) if ctx.device.type == "cuda" \
+            else target
+    net = common.distribute(model, ctx)  # global BatchNorm + DDP; `model` stays bare
+    if args.compile:
+        net = common.compile_model(net, ctx)
     peak_lr = args.lr * args.batch_size / 256
     optimizer = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=0.9, weight_decay=args.wd,
                                 fused=ctx.device.type == "cuda")
-    states = {"model": model, "optimizer": optimizer, "target": target}  # target: BYOL's EMA encoder
-    start_epoch = common.resume(args, ctx, **states)
-    augment = common.Augment([recipe(args, 0), recipe(args, 1)], data.image_size, data.mean, data.std, ctx)
-    steps = common.steps_per_epoch(data, args.batch_size)
+    states = {"model": model, "optimizer": optimizer, "target": target}
+    start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
+    common.start_run(args, ctx, "simsiam_byol_gsg")
+    augment = common.Augment([recipe(args, 0), recipe(args, 1)], data.image_size, data.mean,
+                             data.std, ctx)
+    steps = len(data) // args.batch_size
     total_steps = args.epochs * steps
 
     for epoch in range(start_epoch, args.epochs):
-        generator = common.epoch_generator(args.seed, epoch, ctx.device)
+        order = common.epoch_generator(args.seed, epoch)  # data order and pairs, on the CPU
+        generator = common.epoch_generator(args.seed, epoch, ctx.device)  # augmentation
         meter = common.EpochMeter(ctx, epoch, args.epochs, steps, args.batch_size)
-        batches = common.train_batches(data, epoch, args.batch_size, generator, ctx, args.workers)
+        batches = common.train_batches(data, args.batch_size, order, ctx, args.workers)
         for step, (images, _) in enumerate(batches):
             global_step = epoch * steps + step
-            lr = common.learning_rate(global_step, total_steps, args.warmup_epochs * steps, peak_lr, args.schedule)
+            lr = common.learning_rate(global_step, total_steps, args.warmup_epochs * steps,
+                                      peak_lr, args.schedule)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             views = augment(images, generator)
-            partner, random_case = draw_pairing(args.batch_size, args.stopgrad, generator, ctx)
-            loss, case, proj_std = train_step(net, target_net, optimizer, views, partner, random_case, args, ctx)
+            partner, random_case = draw_pairing(args.batch_size, args.stopgrad, order, ctx)
+            loss, case, proj_std = train_step(net, target, optimizer, views, partner, random_case,
+                                              args, ctx)
             if target is not None:
                 tau = ema_momentum(global_step, total_steps, args.ema, args.ema_schedule)
                 ema_update(target, model.encoder, tau)
             scalars = {"loss": loss, "proj_std": proj_std}
             if case is not None:  # how often each distance was the guide (Eq. 5)
-                counts = F.one_hot(case, 4).float().mean(0)  # (4,); bincount would sync with the host
+                counts = F.one_hot(case, 4).float().mean(0)  # (4,); bincount would sync the host
                 scalars.update({f"case_{name}": counts[c] for c, name in enumerate(CASES)})
             meter.update(lr, **scalars)
         record = meter.summary()
-        if target is not None:
-            record["ema"] = tau
-        if common.end_epoch(ctx, args, epoch, record, model.encoder.backbone, data, saved_args, **states):
-            return  # --stop-after
+        common.check_finite(record)
+        if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
+            record.update(common.evaluate(model.encoder.backbone, data, ctx, args))
+        common.log_epoch(ctx, record)
+        common.save_checkpoint(ctx, epoch + 1, states)
+        if args.stop_after == epoch + 1 < args.epochs:
+            return ctx.print(f"stopped after epoch {epoch + 1}: continue with --resume {ctx.out}")
 
-    results = common.evaluate(model.encoder.backbone, data, ctx, args, final=True)
-    common.finish(ctx, model.encoder.backbone, results)
+    backbone = model.encoder.backbone
+    common.finish(ctx, backbone, common.evaluate(backbone, data, ctx, args, final=True))
 
 
 if __name__ == "__main__":

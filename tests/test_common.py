@@ -237,8 +237,8 @@ def test_resume_after_interruption_equals_an_uninterrupted_run(tiny_folder, tmp_
 def test_non_finite_loss_stops_and_keeps_the_good_checkpoint(tiny_folder, tmp_path, monkeypatch, capsys):
     simclr_dcl.main(smoke_args(tiny_folder, tmp_path, "--epochs", "2", "--stop-after", "1", "--linear-epochs", "0"))
     good = open(tmp_path / "checkpoint.pt", "rb").read()
-    real = simclr_dcl.anchor_losses
-    monkeypatch.setattr(simclr_dcl, "anchor_losses", lambda *a, **k: real(*a, **k) * float("nan"))
+    real = simclr_dcl.contrastive_loss
+    monkeypatch.setattr(simclr_dcl, "contrastive_loss", lambda *a, **k: real(*a, **k) * float("nan"))
     with pytest.raises(SystemExit) as exit_info:
         common.run(lambda: simclr_dcl.main(["--resume", str(tmp_path)]))
     assert exit_info.value.code == 2
@@ -284,9 +284,49 @@ def test_batch_of_one_per_process(tiny_folder, tmp_path, capsys):
     fails_with(smoke_args(tiny_folder, tmp_path, "--batch-size", "1"), capsys, "at least 2 images per process")
 
 
-def test_corrupt_checkpoint(tmp_path, capsys):
+def test_corrupt_checkpoint(tiny_folder, tmp_path, capsys):
+    simclr_dcl.main(smoke_args(tiny_folder, tmp_path, "--epochs", "2", "--stop-after", "1",
+                               "--linear-epochs", "0"))
+    capsys.readouterr()
     (tmp_path / "checkpoint.pt").write_bytes(b"not a checkpoint")
     fails_with(["--resume", str(tmp_path)], capsys, "unreadable")
+
+
+def test_a_folder_without_a_run_is_not_resumed(tmp_path, capsys):
+    fails_with(["--resume", str(tmp_path)], capsys, "no readable config.json")
+
+
+def test_a_new_run_never_overwrites_an_existing_run_folder(tiny_folder, tmp_path, capsys):
+    """A second run with the same --out stops with one line naming --resume; the first run's
+    files are byte-for-byte unchanged."""
+    simclr_dcl.main(smoke_args(tiny_folder, tmp_path, "--linear-epochs", "0"))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert {"config.json", "checkpoint.pt", "metrics.jsonl", "backbone.pt"} <= before.keys()
+    capsys.readouterr()
+    fails_with(smoke_args(tiny_folder, tmp_path, "--seed", "1"), capsys, "--resume")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_an_unreadable_image_is_named(tiny_folder, tmp_path, capsys):
+    import shutil
+    shutil.copytree(tiny_folder, tmp_path / "data")
+    bad = tmp_path / "data" / "train" / "class1" / "3.png"
+    bad.write_bytes(b"not a png")
+    for workers in ("0", "2"):  # in this process, and in DataLoader workers
+        out = tmp_path / f"out{workers}"
+        fails_with(smoke_args(tmp_path / "data", out, "--workers", workers), capsys, str(bad))
+        assert not out.exists()
+
+
+def test_a_failed_start_leaves_no_run_folder(tmp_path, capsys, monkeypatch):
+    """No data, a bad option or a refused --resume: runs/ stays as it was."""
+    monkeypatch.chdir(tmp_path)
+    for proxy in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(proxy, "http://127.0.0.1:9")
+    fails_with(["--dataset", "cifar10", "--data-dir", str(tmp_path / "d"), "--device", "cpu"],
+               capsys, "could not be downloaded")
+    fails_with(["--device", "tpu"], capsys, "--device tpu")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_checkpoint_of_another_configuration(tiny_folder, tmp_path, capsys):
