@@ -778,9 +778,12 @@ def extract_features(backbone, split, data, ctx, workers=0, unit=True):
     n = len(split[1]) if isinstance(split, tuple) else len(split)
     share = -(-n // ctx.world)
     mine = range(min(ctx.rank * share, n), min((ctx.rank + 1) * share, n))
-    batches = torch.utils.data.DataLoader(torch.utils.data.Subset(split, mine), 256,
-                                          num_workers=workers) if not isinstance(split, tuple) \
-        else ((split[0][i:i + 256], split[1][i:i + 256]) for i in range(mine.start, mine.stop, 256))
+    if isinstance(split, tuple):
+        batches = ((split[0][i:min(i + 256, mine.stop)], split[1][i:min(i + 256, mine.stop)])
+                   for i in range(mine.start, mine.stop, 256))
+    else:
+        batches = torch.utils.data.DataLoader(torch.utils.data.Subset(split, mine), 256,
+                                              num_workers=workers)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     features = torch.zeros(share, backbone.out_dim, dtype=dtype, device=device)
     labels = torch.full((share,), -1, dtype=torch.long, device=device)
