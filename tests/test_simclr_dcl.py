@@ -170,6 +170,27 @@ def test_swapping_the_views_leaves_the_loss_unchanged(loss):
     assert torch.allclose(contrastive_loss(z1, z2, TAU, loss), contrastive_loss(z2, z1, TAU, loss), atol=1e-12)
 
 
+def test_train_step_returns_the_loss_and_q_b_of_the_model_before_the_step():
+    """train_step's loss is contrastive_loss of the model's z1, z2 from ONE forward pass of both
+    views (SimCLR's joint BatchNorm batch: a pass per view gives other values), and its q is
+    npc_multiplier of the same z1, z2; the step then moves the model."""
+    with float64():
+        torch.manual_seed(0)
+        model = simclr_dcl.SimCLR("resnet18", 4, 8, proj_hidden=16, proj_dim=8)
+        ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(4)
+        views = [torch.randn(6, 3, 8, 8, generator=g) for _ in range(2)]
+        z1, z2 = model(torch.cat(views)).chunk(2)
+        expect_loss = contrastive_loss(z1, z2, TAU, "dclw")
+        expect_q = npc_multiplier(z1, z2, TAU)
+        before = model.projector[0].weight.detach().clone()
+        args = type("Args", (), {"temperature": TAU, "loss": "dclw", "sigma": 0.5})
+        loss, q = simclr_dcl.train_step(model, optimizer, views, args, ctx)
+    assert torch.allclose(loss, expect_loss, atol=1e-12) and torch.allclose(q, expect_q, atol=1e-12)
+    assert q.shape == (12,) and (model.projector[0].weight - before).abs().max() > 1e-4
+
+
 # ------------------------------------------------------------------------------ 2 processes == 1 process
 
 def _global_batch(seed=11, n=8, d=12):
@@ -282,8 +303,8 @@ def test_smoke_python_and_torchrun_agree(tiny_folder, tmp_path):
 
 @pytest.mark.parametrize("loss", ["infonce", "dcl"])
 def test_each_loss_trains_in_process(tiny_folder, tmp_path, loss):
-    """Each loss runs through main(). With InfoNCE, L_i = -log(1 - q_i) anchor by anchor, so by
-    Jensen the logged <q_B> is at most 1 - exp(-<L>): the diagnostic and the loss must agree."""
+    """Each loss runs through main() and logs a finite loss and a q_B in (0, 1). With InfoNCE,
+    L_i = -log(1 - q_i) anchor by anchor, so by Jensen the logged <q_B> is at most 1 - exp(-<L>)."""
     simclr_dcl.main(smoke_args(tiny_folder, tmp_path, "--loss", loss))
     (line,), _ = check_run_folder(tmp_path, 1)
     assert math.isfinite(line["loss"]) and 0 < line["npc_mean"] < 1
