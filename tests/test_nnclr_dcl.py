@@ -38,9 +38,10 @@ def random_support_set(q=20, d=8, seed=1):
 
 def brute_force_nn(z, support_set):
     """NN(z) = argmax_{s in Q} cos(z, s), one row at a time."""
-    rows = [max(range(len(support_set)), key=lambda k: F.cosine_similarity(zi, support_set[k], dim=0).item())
-            for zi in z]
-    return support_set[rows]
+    def nearest(zi):
+        return max(range(len(support_set)),
+                   key=lambda k: F.cosine_similarity(zi, support_set[k], dim=0).item())
+    return support_set[[nearest(zi) for zi in z]]
 
 
 def naive_losses(a1, a2, p1, p2, temperature, loss, sigma=0.5):
@@ -62,7 +63,7 @@ def naive_losses(a1, a2, p1, p2, temperature, loss, sigma=0.5):
 
 
 def npc_multiplier(a1, a2, p1, p2, temperature=TAU):
-    """q_i = 1 - exp(pos) / (exp(pos) + U_i) per anchor (DCL Eq. 8 with the NN positives) -> (2B,)."""
+    """q_i = 1 - exp(pos) / (exp(pos) + U_i) per anchor (DCL Eq. 8, NN positives) -> (2B,)."""
     with torch.no_grad():
         dcl = naive_losses(a1, a2, p1, p2, temperature, "dcl")
         infonce = naive_losses(a1, a2, p1, p2, temperature, "infonce")
@@ -103,7 +104,8 @@ def test_support_set_holding_the_batch_gives_the_plain_loss(loss):
     fast.backward()
     plain.backward()
     assert torch.allclose(fast, plain, atol=1e-12)
-    assert torch.allclose(a1.grad, n1.grad, atol=1e-12) and torch.allclose(a2.grad, n2.grad, atol=1e-12)
+    assert torch.allclose(a1.grad, n1.grad, atol=1e-12)
+    assert torch.allclose(a2.grad, n2.grad, atol=1e-12)
     if loss == "infonce":  # and InfoNCE is the cross-entropy of picking p_i^(2) among the batch
         logits = z1 @ F.normalize(p2, dim=1).T / TAU
         expect = (F.cross_entropy(logits, torch.arange(6)) +
@@ -126,12 +128,15 @@ def test_loss_equals_a_per_anchor_loop_with_nn_positives(loss):
     masked.sum().backward()
     naive.sum().backward()
     assert torch.allclose(masked, naive, atol=1e-12)
-    assert torch.allclose(a1.grad, n1.grad, atol=1e-12) and torch.allclose(a2.grad, n2.grad, atol=1e-12)
-    assert torch.allclose(nnclr_loss(z1, z2, p1, p2, support_set, TAU, loss), naive.mean(), atol=1e-12)
+    assert torch.allclose(a1.grad, n1.grad, atol=1e-12)
+    assert torch.allclose(a2.grad, n2.grad, atol=1e-12)
+    mean = nnclr_loss(z1, z2, p1, p2, support_set, TAU, loss)
+    assert torch.allclose(mean, naive.mean(), atol=1e-12)
 
 
 def test_prop2_dcl_gradient_is_infonce_gradient_without_q_with_nn_positives():
-    """DCL Prop. 2 with NN positives: grad InfoNCE_i = q_i * grad L_DC,i for every prediction, every anchor."""
+    """DCL Prop. 2 with NN positives: grad InfoNCE_i = q_i * grad L_DC,i for every prediction and
+    every anchor."""
     z1, z2, p1, p2 = views_and_predictions(seed=5)
     support_set = random_support_set(seed=6)
     nn1, nn2 = nearest_neighbour(z1, support_set), nearest_neighbour(z2, support_set)
@@ -145,8 +150,8 @@ def test_prop2_dcl_gradient_is_infonce_gradient_without_q_with_nn_positives():
 
 
 def test_infonce_equals_dcl_minus_log_q_with_nn_positives():
-    """Value: InfoNCE_i = L_DC,i - log q_i, with q_i = 1 - exp(pos)/(exp(pos) + U_i) computed from its
-    definition; hence DCL <= InfoNCE anchor by anchor."""
+    """Value: InfoNCE_i = L_DC,i - log q_i, with q_i = 1 - exp(pos)/(exp(pos) + U_i) computed from
+    its definition; hence DCL <= InfoNCE anchor by anchor."""
     z1, z2, p1, p2 = views_and_predictions(seed=7)
     support_set = random_support_set(seed=8)
     nn1, nn2 = nearest_neighbour(z1, support_set), nearest_neighbour(z2, support_set)
@@ -163,10 +168,12 @@ def test_infonce_equals_dcl_minus_log_q_with_nn_positives():
 @pytest.mark.parametrize("sigma", [0.1, 0.5, 2.0])
 def test_dclw_weights_have_mean_one(sigma):
     """E[w] = 1 per direction for any sigma; the hardest positive pair gets the largest weight."""
-    similarity = 2 * torch.rand(2, 32, generator=torch.Generator().manual_seed(9), dtype=torch.float64) - 1
+    g = torch.Generator().manual_seed(9)
+    similarity = 2 * torch.rand(2, 32, generator=g, dtype=torch.float64) - 1  # (direction, B)
     w = torch.stack([dclw_weights(s, sigma) for s in similarity])  # one call per direction
     assert torch.allclose(w.mean(1), torch.ones(2, dtype=torch.float64), atol=1e-12)
-    assert (w.argmax(1) == similarity.argmin(1)).all() and (w.argmin(1) == similarity.argmax(1)).all()
+    assert (w.argmax(1) == similarity.argmin(1)).all()
+    assert (w.argmin(1) == similarity.argmax(1)).all()
 
 
 def test_dclw_tends_to_dcl_as_sigma_grows():
@@ -266,7 +273,8 @@ def test_train_step_minimises_nnclr_loss_then_enqueues_z1_and_counts_same_class_
         anchor_labels = labels.repeat(2)
         expect_same = sum(int(a >= 0 and support.labels[r] == a)
                           for a, r in zip(anchor_labels.tolist(), nn_rows.tolist()))
-        loss, same_class, labelled = nnclr_dcl.train_step(model, optimizer, views, labels, support, step_args(), ctx)
+        loss, same_class, labelled = nnclr_dcl.train_step(model, optimizer, views, labels, support,
+                                                          step_args(), ctx)
     finally:
         torch.set_default_dtype(torch.float32)
     assert torch.allclose(loss, expect, atol=1e-12)
@@ -275,7 +283,7 @@ def test_train_step_minimises_nnclr_loss_then_enqueues_z1_and_counts_same_class_
     assert torch.equal(support.z[6:], before[6:]) and support.labels[:6].tolist() == labels.tolist()
 
 
-# ------------------------------------------------------------------------------ 2 processes == 1 process
+# ------------------------------------------------------------------------ 2 processes == 1 process
 
 def _global_batch(seed=17, n=8, d=8):
     z1, z2, p1, p2 = views_and_predictions(b=n, d=d, seed=seed)
@@ -306,10 +314,10 @@ def _train_three_steps(ctx, rows):
     for _ in range(3):
         views = [torch.randn(8, 3, 8, 8, generator=g)[rows] for _ in range(2)]
         labels = torch.randint(-1, 3, (8,), generator=g)[rows]
-        history.append(torch.stack([t.double() for t in nnclr_dcl.train_step(net, optimizer, views, labels, support,
-                                                                           step_args(), ctx)]))
+        out = nnclr_dcl.train_step(net, optimizer, views, labels, support, step_args(), ctx)
+        history.append(torch.stack([t.double() for t in out]))  # [loss, same class, labelled]
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return params, support.state_dict(), torch.stack(history)  # history: (3 steps, [loss, same, labelled])
+    return params, support.state_dict(), torch.stack(history)  # history: (3 steps, 3)
 
 
 def _worker():
@@ -355,7 +363,8 @@ def test_support_set_takes_every_ranks_rows(two_processes):
     single.push(z2, torch.arange(8, 16))
     assert single.labels.tolist() == [12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11] and single.ptr == 4
     for rank in two_processes:
-        assert torch.equal(rank["push"]["labels"], single.labels) and rank["push"]["ptr"] == single.ptr
+        assert torch.equal(rank["push"]["labels"], single.labels)
+        assert rank["push"]["ptr"] == single.ptr
         assert torch.equal(rank["push"]["z"], single.z)
 
 
@@ -364,8 +373,8 @@ def test_two_processes_train_like_one_process(two_processes):
     weights) leave the model and the support set where 3 steps of one process leave them."""
     torch.set_default_dtype(torch.float64)
     try:
-        params, support, history = _train_three_steps(common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False),
-                                                      slice(0, 8))
+        ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
+        params, support, history = _train_three_steps(ctx, slice(0, 8))
         initial = tiny_model().state_dict()
     finally:
         torch.set_default_dtype(torch.float32)
@@ -375,11 +384,13 @@ def test_two_processes_train_like_one_process(two_processes):
             assert torch.allclose(rank_params[key], value, atol=1e-10), key
             moved = max(moved, (value.double() - initial[key]).abs().max().item())
         assert torch.allclose(rank_support["z"], support["z"], atol=1e-10)
-        assert torch.equal(rank_support["labels"], support["labels"]) and rank_support["ptr"] == support["ptr"] == 0
+        assert torch.equal(rank_support["labels"], support["labels"])
+        assert rank_support["ptr"] == support["ptr"] == 0
     ranks = torch.stack([r["train"][2] for r in two_processes])  # (2, 3, 3)
     assert torch.allclose(ranks[:, :, 0].mean(0), history[:, 0], atol=1e-10)  # losses average
     assert torch.equal(ranks[:, :, 1:].sum(0), history[:, 1:])  # diagnostic counts add up
-    assert moved > 1e-3 and history[1:, 1].sum() > 0  # the steps moved the model; some neighbours match
+    assert moved > 1e-3  # the steps moved the model
+    assert history[1:, 1].sum() > 0  # and some neighbours match
 
 
 # ------------------------------------------------------------------------------ runs
@@ -390,7 +401,8 @@ def tiny_run(folder, out, *extra):
 
 def test_resume_restores_the_support_set_exactly(tiny_folder, tmp_path):
     """Stop after epoch 1, --resume, finish epoch 2: model, optimizer and support set are
-    bit-for-bit those of an uninterrupted 2-epoch run (4 steps of 16 per epoch into 40 rows: wraps)."""
+    bit-for-bit those of an uninterrupted 2-epoch run (4 steps of 16 per epoch into 40 rows:
+    wraps)."""
     short = ("--epochs", "2", "--linear-epochs", "0")
     nnclr_dcl.main(tiny_run(tiny_folder, tmp_path / "cut", *short, "--stop-after", "1"))
     assert not os.path.exists(tmp_path / "cut" / "results.json")
@@ -414,13 +426,15 @@ def test_bad_input_is_a_user_error(tiny_folder, tmp_path):
     with pytest.raises(common.UserError, match="support-size"):
         nnclr_dcl.main(smoke_args(tiny_folder, tmp_path / "a", "--support-size", "8"))
     os.makedirs(tmp_path / "b")
-    torch.save({"args": {"loss": "dcl"}, "epoch": 1, "model": {}, "script": "simclr_dcl"}, tmp_path / "b" / "checkpoint.pt")
+    foreign = {"args": {"loss": "dcl"}, "epoch": 1, "model": {}, "script": "simclr_dcl"}
+    torch.save(foreign, tmp_path / "b" / "checkpoint.pt")
     with pytest.raises(common.UserError, match="made by simclr_dcl.py, not nnclr_dcl.py"):
         nnclr_dcl.main(["--resume", str(tmp_path / "b")])
 
 
 def check_run_folder(out, epochs):
-    assert {"config.json", "metrics.jsonl", "checkpoint.pt", "backbone.pt", "results.json"} <= set(os.listdir(out))
+    files = {"config.json", "metrics.jsonl", "checkpoint.pt", "backbone.pt", "results.json"}
+    assert files <= set(os.listdir(out))
     lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [line["epoch"] for line in lines] == list(range(1, epochs + 1))
     for line in lines:
@@ -450,7 +464,8 @@ def test_smoke_python_and_torchrun_agree(tiny_folder, tmp_path):
     assert "final kNN top-1 (k=200)" in one.stdout and "linear probe top-1" in one.stdout
     (line1,), _ = check_run_folder(tmp_path / "one", 1)
     (line2,), _ = check_run_folder(tmp_path / "two", 1)
-    assert abs(line1["loss"] - line2["loss"]) < 1e-4 and line1["nn_same_class"] == line2["nn_same_class"]
+    assert abs(line1["loss"] - line2["loss"]) < 1e-4
+    assert line1["nn_same_class"] == line2["nn_same_class"]
     config = json.load(open(tmp_path / "two" / "config.json"))
     assert config["world_size"] == 2 and config["loss"] == "dclw" and config["support_size"] == 40
     s1 = torch.load(tmp_path / "one" / "checkpoint.pt")["support_set"]

@@ -53,7 +53,8 @@ def naive_losses(z1, z2, temperature, loss, sigma=0.5):
         i = a % b
         pos = (z1[i] @ z2[i]) / temperature
         negatives = [j for j in range(2 * b) if j % b != i]
-        log_u = torch.logsumexp(torch.stack([views[a] @ views[j] / temperature for j in negatives]), 0)
+        negative_logits = torch.stack([views[a] @ views[j] / temperature for j in negatives])
+        log_u = torch.logsumexp(negative_logits, 0)
         if loss == "infonce":
             out.append(-pos + torch.logaddexp(pos, log_u))
         elif loss == "dcl":
@@ -71,12 +72,14 @@ def test_loss_equals_a_per_anchor_loop_over_the_formula(loss):
     z1, z2 = unit_pairs(b=5, d=8, seed=1)
     a1, a2 = z1.clone().requires_grad_(), z2.clone().requires_grad_()
     n1, n2 = z1.clone().requires_grad_(), z2.clone().requires_grad_()
-    masked, naive = contrastive_loss(a1, a2, TAU, loss, reduction="none"), naive_losses(n1, n2, TAU, loss)
+    masked = contrastive_loss(a1, a2, TAU, loss, reduction="none")
+    naive = naive_losses(n1, n2, TAU, loss)
     assert torch.allclose(masked, naive, atol=1e-12)
     assert torch.allclose(contrastive_loss(a1, a2, TAU, loss), naive.mean(), atol=1e-12)
     masked.mean().backward()
     naive.mean().backward()
-    assert torch.allclose(a1.grad, n1.grad, atol=1e-12) and torch.allclose(a2.grad, n2.grad, atol=1e-12)
+    assert torch.allclose(a1.grad, n1.grad, atol=1e-12)
+    assert torch.allclose(a2.grad, n2.grad, atol=1e-12)
 
 
 def test_prop1_infonce_gradient_has_npc_multiplier():
@@ -103,13 +106,15 @@ def test_prop1_infonce_gradient_has_npc_multiplier():
         assert torch.allclose(g2, project(z2, expect2), atol=1e-12)
     # the multiplier itself: q = 1 - pos / (pos + U)
     pos = torch.exp((z1 * z2).sum(1) / TAU)
-    u = torch.stack([torch.exp(torch.cat([z1, z2])[[j for j in range(2 * b) if j % b != i]] @ z1[i] / TAU).sum()
+    views = torch.cat([z1, z2])
+    u = torch.stack([torch.exp(views[[j for j in range(2 * b) if j % b != i]] @ z1[i] / TAU).sum()
                      for i in range(b)])
     assert torch.allclose(q[:b], 1 - pos / (pos + u), atol=1e-12)
 
 
 def test_prop2_dcl_gradient_is_infonce_gradient_without_q():
-    """DCL Prop. 2: grad InfoNCE_i^(k) = q_{B,i}^(k) * grad L_DC,i^(k), every embedding, every anchor."""
+    """DCL Prop. 2: grad InfoNCE_i^(k) = q_{B,i}^(k) * grad L_DC,i^(k), for every embedding and
+    every anchor."""
     z1, z2 = unit_pairs(seed=2)
     q = npc_multiplier(z1, z2, TAU)
     for anchor in range(2 * len(z1)):
@@ -128,8 +133,9 @@ def test_infonce_equals_dcl_minus_log_q_so_dcl_is_smaller_and_can_be_negative():
     dcl = contrastive_loss(z1, z2, TAU, "dcl", reduction="none")
     assert torch.allclose(infonce, dcl - torch.log(npc_multiplier(z1, z2, TAU)), atol=1e-12)
     assert (dcl <= infonce).all()
-    easy1, easy2 = unit_pairs(b=4, d=64, seed=4, noise=0.05)  # near-identical views, random negatives
-    assert contrastive_loss(easy1, easy2, TAU, "dcl") < 0 < contrastive_loss(easy1, easy2, TAU, "infonce")
+    easy1, easy2 = unit_pairs(b=4, d=64, seed=4, noise=0.05)  # near-identical views
+    assert contrastive_loss(easy1, easy2, TAU, "dcl") < 0
+    assert contrastive_loss(easy1, easy2, TAU, "infonce") > 0
 
 
 @pytest.mark.parametrize("sigma", [0.1, 0.5, 2.0])
@@ -151,8 +157,9 @@ def test_dclw_tends_to_dcl_as_sigma_grows():
         w1, w2 = anchor_gradient(z1, z2, anchor, "dclw", sigma=1e9)
         d1, d2 = anchor_gradient(z1, z2, anchor, "dcl")
         assert torch.allclose(w1, d1, atol=1e-7) and torch.allclose(w2, d2, atol=1e-7)
-    assert abs(contrastive_loss(z1, z2, TAU, "dclw", 1e9) - contrastive_loss(z1, z2, TAU, "dcl")) < 1e-7
-    assert abs(contrastive_loss(z1, z2, TAU, "dclw", 0.5) - contrastive_loss(z1, z2, TAU, "dcl")) > 1e-4
+    dcl = contrastive_loss(z1, z2, TAU, "dcl")
+    assert abs(contrastive_loss(z1, z2, TAU, "dclw", 1e9) - dcl) < 1e-7
+    assert abs(contrastive_loss(z1, z2, TAU, "dclw", 0.5) - dcl) > 1e-4
 
 
 def test_fig1a_mean_npc_multiplier_grows_with_batch_size():
@@ -167,7 +174,8 @@ def test_fig1a_mean_npc_multiplier_grows_with_batch_size():
 @pytest.mark.parametrize("loss", ["infonce", "dcl", "dclw"])
 def test_swapping_the_views_leaves_the_loss_unchanged(loss):
     z1, z2 = unit_pairs(seed=8)
-    assert torch.allclose(contrastive_loss(z1, z2, TAU, loss), contrastive_loss(z2, z1, TAU, loss), atol=1e-12)
+    swapped = contrastive_loss(z2, z1, TAU, loss)
+    assert torch.allclose(contrastive_loss(z1, z2, TAU, loss), swapped, atol=1e-12)
 
 
 def test_train_step_returns_the_loss_and_q_b_of_the_model_before_the_step():
@@ -191,7 +199,7 @@ def test_train_step_returns_the_loss_and_q_b_of_the_model_before_the_step():
     assert q.shape == (12,) and (model.projector[0].weight - before).abs().max() > 1e-4
 
 
-# ------------------------------------------------------------------------------ 2 processes == 1 process
+# ------------------------------------------------------------------------ 2 processes == 1 process
 
 def _global_batch(seed=11, n=8, d=12):
     g = torch.Generator().manual_seed(seed)
@@ -256,7 +264,8 @@ def test_two_processes_train_like_one_process(tmp_path):
     model exactly where 3 steps of one process on the whole batch do."""
     ranks = run_distributed("test_simclr_dcl", "_worker_steps", tmp_path)
     with float64():
-        single = _train_three_steps(common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False), slice(0, 8))
+        ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
+        single = _train_three_steps(ctx, slice(0, 8))
     torch.manual_seed(0)
     initial = simclr_dcl.SimCLR("resnet18", 4, 8, proj_hidden=16, proj_dim=8).state_dict()
     moved = 0.0
@@ -270,7 +279,8 @@ def test_two_processes_train_like_one_process(tmp_path):
 # ------------------------------------------------------------------------------ smoke runs
 
 def check_run_folder(out, epochs):
-    assert {"config.json", "metrics.jsonl", "checkpoint.pt", "backbone.pt", "results.json"} <= set(os.listdir(out))
+    files = {"config.json", "metrics.jsonl", "checkpoint.pt", "backbone.pt", "results.json"}
+    assert files <= set(os.listdir(out))
     lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [line["epoch"] for line in lines] == list(range(1, epochs + 1))
     results = json.load(open(os.path.join(out, "results.json")))
