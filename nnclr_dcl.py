@@ -2,10 +2,10 @@
 
 Papers: Dwibedi et al., "With a Little Help from My Friends: Nearest-Neighbor Contrastive Learning
 of Visual Representations" (NNCLR), ICCV 2021; Yeh et al., "Decoupled Contrastive Learning" (DCL),
-ECCV 2022, contribution 4. NNCLR takes as the positive of a view the nearest neighbour of its
-projection in a support set of past projections, which must pick the prediction of the other view
-among the predictions of the global batch. DCL removes the positive from that denominator; DCLW
-also up-weights hard positive pairs.
+ECCV 2022, contribution 4. NNCLR replaces a view's projection by its nearest neighbour in a
+support set of past projections; that neighbour must pick the prediction of the other view among
+the predictions of the global batch. DCL removes the positive from that denominator; DCLW also
+up-weights hard positive pairs.
 
     python nnclr_dcl.py --loss dcl                        # one GPU, CIFAR-10 downloaded to ./data
     torchrun --nproc_per_node=8 nnclr_dcl.py --loss dcl   # 8 GPUs, same global batch of 256
