@@ -571,10 +571,12 @@ def decode(samples, size, workers, ctx):
     return gather(images.to(ctx.device))[:len(samples)]  # padded: all_gather needs equal shares
 
 
-def epoch_generator(seed, epoch, device="cpu"):
-    """One generator per epoch, so a resumed run draws what an uninterrupted one would. Data order
-    and pairings take a CPU one: CUDA's random kernels depend on the GPU model."""
-    return torch.Generator(device=device).manual_seed(seed * 100003 + epoch)
+def epoch_generators(seed, epoch, device):
+    """This epoch's two generators, from (seed, epoch), so that a resumed run draws what an
+    uninterrupted one would: data order and pairings on the CPU (CUDA's random kernels depend on
+    the GPU model), augmentation on the device."""
+    seed = 2 * (seed * 100003 + epoch)
+    return torch.Generator().manual_seed(seed), torch.Generator(device).manual_seed(seed + 1)
 
 
 def train_batches(data, batch_size, generator, ctx, workers=0):
@@ -859,8 +861,8 @@ def linear_probe_augmented(backbone, data, ctx, epochs=90, lr=30.0, seed=0, batc
     b, steps = batch // ctx.world, len(rows) // batch
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(1, epochs * steps))
     for epoch in range(epochs):
-        order = rows[torch.randperm(len(rows), generator=epoch_generator(seed + 1, epoch))]
-        generator = epoch_generator(seed + 1, epoch, ctx.device)
+        order, generator = epoch_generators(seed + 1, epoch, ctx.device)
+        order = rows[torch.randperm(len(rows), generator=order)]
         for step in range(steps):
             mine = order[step * batch + ctx.rank * b:][:b].to(ctx.device)
             with torch.no_grad(), ctx.autocast():
@@ -1030,7 +1032,7 @@ def finish(ctx, backbone, results):
         save_atomic(weights, os.path.join(ctx.out, "backbone.pt"))
     with open(os.path.join(ctx.out, name), "w") as f:
         json.dump(results, f, indent=2)
-    line = (f"kNN top-1 (k={results['knn_k']}): {results['knn_top1']:.2f}%  "
+    line = (f"final kNN top-1 (k={results['knn_k']}): {results['knn_top1']:.2f}%  "
             f"kNN top-1 (k=1): {results['knn_k1_top1']:.2f}%")
     if "linear_top1" in results:
         line += f"  linear probe top-1: {results['linear_top1']:.2f}%"

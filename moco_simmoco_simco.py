@@ -262,8 +262,8 @@ def main(argv=None):
     steps = len(data) // args.batch_size
 
     for epoch in range(start_epoch, args.epochs):
-        order = common.epoch_generator(args.seed, epoch)  # data order, on the CPU
-        generator = common.epoch_generator(args.seed, epoch, ctx.device)  # augmentation
+        # data order, on the CPU; augmentation on the device
+        order, generator = common.epoch_generators(args.seed, epoch, ctx.device)
         meter = common.EpochMeter(ctx, epoch, args.epochs, steps, args.batch_size)
         batches = common.train_batches(data, args.batch_size, order, ctx, args.workers)
         for step, (images, _) in enumerate(batches):

@@ -275,8 +275,8 @@ def main(argv=None):
     total_steps = args.epochs * steps
 
     for epoch in range(start_epoch, args.epochs):
-        order = common.epoch_generator(args.seed, epoch)  # data order and pairs, on the CPU
-        generator = common.epoch_generator(args.seed, epoch, ctx.device)  # augmentation
+        # data order and pairs, on the CPU; augmentation on the device
+        order, generator = common.epoch_generators(args.seed, epoch, ctx.device)
         meter = common.EpochMeter(ctx, epoch, args.epochs, steps, args.batch_size)
         batches = common.train_batches(data, args.batch_size, order, ctx, args.workers)
         for step, (images, _) in enumerate(batches):

@@ -119,7 +119,7 @@ def _worker_decode_and_stream(data_dir, same_dir):
     args = _args(data_dir)
     decoded = common.load_data(args, ctx).train
     streamed = common.load_data(_args(same_dir, "--stream", "--workers", "1"), ctx)
-    images, _ = next(common.train_batches(streamed, 8, common.epoch_generator(0, 0), ctx, 1))
+    images, _ = next(common.train_batches(streamed, 8, common.epoch_generators(0, 0, "cpu")[0], ctx, 1))
     return {"decoded": decoded, "crops": images}
 
 

@@ -87,7 +87,7 @@ def test_random_stopgrad_hits_each_case_a_quarter_of_the_time_and_is_seeded():
     freq = torch.bincount(case, minlength=4).double() / len(case)
     torch.testing.assert_close(freq, torch.full((4,), 0.25, dtype=torch.float64), rtol=0, atol=0.01)
     ctx = common.Context(0, 1, 0, torch.device("cpu"), out=None, amp=False)
-    draws = [gsg.draw_pairing(64, "random", common.epoch_generator(7, 3, "cpu"), ctx) for _ in range(2)]
+    draws = [gsg.draw_pairing(64, "random", common.epoch_generators(7, 3, "cpu")[0], ctx) for _ in range(2)]
     assert torch.equal(draws[0][0], draws[1][0]) and torch.equal(draws[0][1], draws[1][1])
     assert sorted(draws[0][0].tolist()) == list(range(64))  # r is a permutation of the global batch
     _, forced = gsg.guided_stopgrad_loss(*[t[:64] for t in args], mode="random", random_case=draws[0][1])
