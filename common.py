@@ -33,8 +33,8 @@ def run(main):
         main()
     except UserError as error:
         rank = int(os.environ.get("RANK", 0))
-        if rank != 0:  # rank 0 says what every rank usually met; torchrun then stops the others
-            time.sleep(1)
+        if rank != 0:  # rank 0 says what every rank usually met, and torchrun then stops the
+            time.sleep(10)  # others; a rank that met an error alone says it after a while
         print(f"error: {error}" if rank == 0 else f"error (rank {rank}): {error}",
               file=sys.stderr, flush=True)
         sys.exit(2)
@@ -1038,6 +1038,3 @@ def finish(ctx, backbone, results):
         line += f"  linear probe top-1: {results['linear_top1']:.2f}%"
     ctx.print(f"{line}\nwritten to {os.path.join(ctx.out, name)}")
 
-
-def logsumexp_rows(logits, bound):  # TEMPORARY until the method files' losses are rewritten
-    return torch.logsumexp(logits, -1)

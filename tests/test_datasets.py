@@ -60,7 +60,8 @@ def write_stl10(root, train=12, unlabeled=20, test=10):
 def test_cifar10_is_decoded_once_to_uint8_on_the_device(tmp_path, no_md5):
     """(N, H, W, 3) pickles -> (N, 3, 32, 32) uint8 with int64 labels; --limit-train cuts the train set."""
     root = write_cifar10(str(tmp_path))
-    args = simclr_dcl.parse_args(["--data-dir", root, "--device", "cpu", "--limit-train", "30"])
+    args = simclr_dcl.parse_args(["--data-dir", root, "--device", "cpu", "--limit-train", "30",
+                                  "--batch-size", "16"])
     data = common.load_data(args, common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False))
     images, labels = coloured_images(8, 32, 0)
     assert data.train.dtype == torch.uint8 and data.train.shape == (30, 3, 32, 32)
@@ -80,7 +81,8 @@ def test_cifar10_training_run(tmp_path, no_md5):
 def test_stl10_pretrains_on_train_plus_unlabeled_and_evaluates_on_labelled_splits(tmp_path, no_md5):
     """train+unlabeled (labels -1 for the unlabeled part) for pre-training, train/test for evaluation."""
     root = write_stl10(str(tmp_path))
-    args = simclr_dcl.parse_args(["--dataset", "stl10", "--data-dir", root, "--device", "cpu"])
+    args = simclr_dcl.parse_args(["--dataset", "stl10", "--data-dir", root, "--device", "cpu",
+                                  "--batch-size", "16"])
     data = common.load_data(args, common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False))
     images, labels = coloured_images(12, 96, 0)
     assert data.train.shape == (32, 3, 96, 96) and data.image_size == 96

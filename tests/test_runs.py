@@ -38,9 +38,10 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(tiny_folder, tmp_path,
     """2 epochs straight == 1 epoch, stop, --resume, 1 more: every tensor of the checkpoint
     (model, optimizer, queue, momentum encoder, EMA target, support set) and every epoch's loss."""
     main = importlib.import_module(script).main
-    base = smoke_args(tiny_folder, tmp_path / "x", "--epochs", "2", "--linear-epochs", "0", *extra)
-    main(base[:-1] + [str(tmp_path / "straight")])
-    main(base[:-1] + [str(tmp_path / "split"), "--stop-after", "1"])
+    run = lambda out, *more: main(smoke_args(tiny_folder, tmp_path / out, "--epochs", "2",
+                                             "--linear-epochs", "0", *extra, *more))
+    run("straight")
+    run("split", "--stop-after", "1")
     assert not (tmp_path / "split" / "backbone.pt").exists()
     assert len(open(tmp_path / "split" / "metrics.jsonl").readlines()) == 1
     main(["--resume", str(tmp_path / "split")])
