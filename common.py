@@ -510,8 +510,10 @@ def image_folder(args, ctx, mean, std, crops):
     labels = [torch.tensor([y for _, y in s], device=ctx.device) for s in (train, val)]
     classes = len(folders["train"].classes)
     if args.stream or not fits_on_device((len(train) + len(val)) * 3 * size * size, ctx):
-        return check_size(Data(ImageFiles(train, size, crops, args.crop_scale), labels[0],
-                    ImageFiles(train, size), ImageFiles(val, size), classes, size, mean, std, True), args)
+        streamed = Data(ImageFiles(train, size, crops, args.crop_scale), labels[0],
+                        ImageFiles(train, size), ImageFiles(val, size), classes, size, mean, std,
+                        streaming=True)
+        return check_size(streamed, args)
     images = decode(train, size, args.workers, ctx)  # once: pre-training and kNN share it
     val_images = decode(val, size, args.workers, ctx)
     return check_size(Data(images, labels[0], (images, labels[0]), (val_images, labels[1]),
@@ -535,7 +537,8 @@ class ImageFiles(torch.utils.data.Dataset):
     def __init__(self, samples, size, crops=0, scale=(0.08, 1.0)):
         import torchvision.transforms.v2 as T
         self.samples, self.crops, self.seed = samples, crops, 0
-        self.fixed = T.Compose([T.PILToTensor(), T.Resize(size, antialias=True), T.CenterCrop(size)])
+        self.fixed = T.Compose([T.PILToTensor(), T.Resize(size, antialias=True),
+                                T.CenterCrop(size)])
         self.random = T.Compose([T.PILToTensor(), T.RandomHorizontalFlip(),
                                  T.RandomResizedCrop(size, tuple(scale), antialias=True)])
 
@@ -828,7 +831,8 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed
     classifier = nn.Linear(train_f.shape[1], num_classes).to(train_f.device)
     nn.init.zeros_(classifier.weight)  # a convex problem: a zero start, no random draw
     optimizer = torch.optim.AdamW(classifier.parameters(), lr=1e-3, weight_decay=5e-4)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * -(-len(rows) // batch))
+    steps = epochs * -(-len(rows) // batch)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
     generator = torch.Generator(device=train_f.device).manual_seed(seed)
     for _ in range(epochs):
         perm = rows[torch.randperm(len(rows), generator=generator, device=rows.device)]
@@ -840,8 +844,8 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed
             optimizer.step()
             schedule.step()
     with torch.no_grad():
-        correct = sum(int((classifier((test_f[r].float() - mean) / std).argmax(1) == test_y[r]).sum())
-                      for r in test_rows.split(65536))
+        predict = lambda r: classifier((test_f[r].float() - mean) / std).argmax(1)  # noqa: E731
+        correct = sum(int((predict(r) == test_y[r]).sum()) for r in test_rows.split(65536))
     return 100.0 * correct / len(test_rows)
 
 

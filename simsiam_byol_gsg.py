@@ -130,7 +130,6 @@ def symmetric_loss(p1, p2, z1, z2):
 
 def guided_stopgrad_loss(p11, p12, p21, p22, z11, z12, z21, z22, mode="guided", random_case=None):
     """GSG loss (Eq. 6) over B pairs of images (x1, x2), mean over pairs -> (scalar, case (B,)).
-
     p_ab, z_ab: (B, D) prediction and target projection of view b of image a of each pair.
     case c indexes d = [d(z11,z21), d(z11,z22), d(z12,z21), d(z12,z22)], d Euclidean (Eq. 4),
     and puts the predictor on view 1 + c // 2 of x1 and view 1 + c % 2 of x2.
@@ -146,9 +145,8 @@ def guided_stopgrad_loss(p11, p12, p21, p22, z11, z12, z21, z22, mode="guided", 
         elif mode == "reverse":
             case = 3 - d.argmin(1)  # 0 <-> 3, 1 <-> 2: the two views guided would have stopped
         elif mode == "random":
-            case = random_case
-            if case is None:
-                case = torch.randint(4, (len(d),), device=d.device)
+            n = len(d)
+            case = torch.randint(4, (n,), device=d.device) if random_case is None else random_case
         else:
             raise ValueError(f"unknown stop-gradient mode {mode!r}")
     # torch.where sends no gradient to the branch not taken: only the two selected predictions learn
@@ -159,22 +157,16 @@ def guided_stopgrad_loss(p11, p12, p21, p22, z11, z12, z21, z22, mode="guided", 
 
 def partner_crops(p2, p3, z2, z3, partner):
     """x2's views for this rank's pairs: crops 2 and 3 of image r(i) -> p21, p22, z21, z22 (b, D).
-
-    p2, p3, z2, z3: (b, D) crops 2 and 3 of this rank's own images; partner: (b,) indices r(i)
-    into the global batch of N images (rank order). A partner's prediction may be selected, so its
-    gradient must reach the rank that owns it: an autograd all-gather. Targets: a plain one.
-    """
+    p2, p3, z2, z3: (b, D) crops 2, 3 of this rank's images; partner: (b,) indices into the global
+    batch. A selected partner prediction's gradient must reach its rank: an autograd all-gather."""
     p21, p22 = gather_with_grad(p2)[partner], gather_with_grad(p3)[partner]  # (N, D) -> (b, D)
     return p21, p22, gather(z2)[partner], gather(z3)[partner]
 
 
 def draw_pairing(batch_size, mode, generator, ctx):
-    """Partners r(i) of this rank's images and, for random SG, their cases; None, None if symmetric.
-
-    Drawn for the whole global batch from the epoch's CPU generator (the same on every rank and
-    every GPU model, replayed exactly on --resume) and sliced to this rank's rows, so N processes
-    pair as one process does.
-    """
+    """Partners r(i) of this rank's images and, for random SG, their cases (None if symmetric),
+    drawn for the global batch from the epoch's CPU generator (alike on every rank and GPU model,
+    replayed on --resume) and sliced to this rank's rows: N processes pair as one process does."""
     if mode == "symmetric":
         return None, None
     b = batch_size // ctx.world
@@ -203,12 +195,9 @@ def projection_std(z):
 def train_step(net, target, optimizer, views, partner, random_case, args, ctx,
                online=None, tau=None):
     """One SGD step (+ BYOL's EMA) -> loss, the GSG case per image (None if symmetric), proj std.
-
-    net: the online SiameseNet (DDP-wrapped); views: this rank's crops, (b, 3, S, S) each: two for
-    symmetric, four for guided / random / reverse (crops 0, 1 of image i are x1's views, crops
-    2, 3 of image r(i) are x2's). target: BYOL's momentum encoder, None for SimSiam (its targets
-    are its own projections); online: the bare online encoder the target follows with momentum tau.
-    """
+    views: this rank's crops (b, 3, S, S): 2 for symmetric, 4 for GSG (0, 1: x1's; 2, 3: x2's, of
+    image r(i)). target: BYOL's momentum encoder following `online` with momentum tau; None for
+    SimSiam, whose targets are its own projections."""
     with ctx.autocast():
         z, p = net(*views)  # V x (b, D) projections and predictions, one encoder pass per crop
         t = z  # SimSiam's targets: its own projections (stop-gradient at each D call)
@@ -245,18 +234,16 @@ def recipes(args):
 def main(argv=None):
     args = parse_args(argv)
     ctx = common.setup(args)  # this process's device; the process group under torchrun
-    data = common.load_data(args, ctx)
+    data = common.load_data(args, ctx, crops=2 if args.stopgrad == "symmetric" else 4)
     args.image_size = data.image_size
     torch.manual_seed(args.seed)  # the same initial model on every rank
     model = SiameseNet(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim,
                        args.pred_hidden, not args.no_predictor, args.proj_layers).to(ctx.device)
-    target = None
-    if args.method == "byol":
-        # BYOL's target starts as a copy of the online encoder and moves only by EMA; its
-        # BatchNorm is global too, or N processes would normalise the targets differently
+    target = None  # BYOL's: a copy of the online encoder that moves only by EMA, its BatchNorm
+    if args.method == "byol":  # global too, or N processes would normalise targets differently
         target = common.sync_batchnorm(copy.deepcopy(model.encoder), ctx).requires_grad_(False)
-        target = target.to(memory_format=torch.channels_last) if ctx.device.type == "cuda" \
-            else target
+        if ctx.device.type == "cuda":
+            target = target.to(memory_format=torch.channels_last)
     net = common.distribute(model, ctx)  # global BatchNorm + DDP; `model` stays bare
     if args.compile:
         net = common.compile_model(net, ctx)
