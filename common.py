@@ -20,7 +20,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torchvision  # here, before any process group: see below
+import torchvision.transforms.v2 as T
+from PIL import Image
 from tqdm import tqdm
+
+# torchvision imports torch._dynamo, and importing torch._dynamo after init_process_group keeps a
+# reference to the default process group that destroy_process_group cannot drop (torch 2.14):
+# gloo's worker threads then outlive it, and one that still releases a tensor while Python exits
+# aborts the process ("terminate called without an active exception"). So torchvision is imported
+# here, at the top, never inside a function that runs after setup().
 
 
 class UserError(Exception):
@@ -466,7 +475,6 @@ def torchvision_split(args, ctx, limit, **split):
     """CIFAR/STL-10 as uint8 (N, 3, S, S) and labels on the device. Each node's first process
     downloads (no shared file system needed); then every rank learns whether every node has the
     data, on a gloo group whose time-out outlasts a slow download, and all stop together if not."""
-    import torchvision
     cls = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100,
            "stl10": torchvision.datasets.STL10}[args.dataset]
     ready = torch.ones(1)
@@ -489,7 +497,6 @@ def torchvision_split(args, ctx, limit, **split):
 
 
 def image_folder(args, ctx, mean, std, crops):
-    import torchvision
     size, folders = args.image_size or 224, {}
     for split in ("train", "val"):
         root = os.path.join(args.data_dir, split)
@@ -535,7 +542,6 @@ class ImageFiles(torch.utils.data.Dataset):
     cropping in the workers keeps full-size images off the device; colour runs there batched)."""
 
     def __init__(self, samples, size, crops=0, scale=(0.08, 1.0)):
-        import torchvision.transforms.v2 as T
         self.samples, self.crops, self.seed = samples, crops, 0
         self.fixed = T.Compose([T.PILToTensor(), T.Resize(size, antialias=True),
                                 T.CenterCrop(size)])
@@ -546,7 +552,6 @@ class ImageFiles(torch.utils.data.Dataset):
         return len(self.samples)
 
     def __getitem__(self, i):
-        from PIL import Image
         path, label = self.samples[i]
         try:
             with Image.open(path) as image:
