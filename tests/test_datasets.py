@@ -14,7 +14,6 @@ import torchvision
 
 import common
 import simclr_dcl
-from helpers import smoke_args
 
 
 def coloured_images(n, size, seed):

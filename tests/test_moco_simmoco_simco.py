@@ -1,7 +1,6 @@
 """Tests for moco_simmoco_simco.py: the paper's identities (float64, against autograd),
 the queue and the momentum encoder, 2 processes == 1 process, --resume, and smoke runs."""
 import argparse
-import json
 import math
 import os
 
@@ -410,28 +409,6 @@ def test_main_under_two_processes_writes_run_folders(two_processes):
 
 
 # ------------------------------------------------------------------------ resume and smoke runs
-
-def test_resume_restores_queue_and_momentum_encoder(tiny_folder, tmp_path):
-    """Stop after epoch 1 and --resume == an uninterrupted 2-epoch run: model, optimizer, momentum
-    encoder and queue (size 40: not a multiple of the batch, so it wraps mid-batch) all
-    torch.equal."""
-    extra = ["--method", "mocov2", "--queue-size", "40", "--epochs", "2", "--tau-beta", "0.5",
-             "--eval-every", "5"]
-    mss.main(smoke_args(tiny_folder, tmp_path / "whole", *extra))
-    mss.main(smoke_args(tiny_folder, tmp_path / "parts", *extra, "--stop-after", "1"))
-    assert torch.load(tmp_path / "parts" / "checkpoint.pt", weights_only=True)["epoch"] == 1
-    mss.main(["--resume", str(tmp_path / "parts"), "--data-dir", str(tiny_folder),
-              "--device", "cpu", "--workers", "0"])
-    whole = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=True)
-    parts = torch.load(tmp_path / "parts" / "checkpoint.pt", weights_only=True)
-    assert parts["epoch"] == 2 and parts["queues"]["0.ptr"].item() != 0
-    check_mss_run_folder(tmp_path / "whole", "mocov2")
-    for part in ("model", "key_encoder", "queues"):
-        for name, value in whole[part].items():
-            assert torch.equal(parts[part][name], value), (part, name)
-    for a, b in zip(whole["optimizer"]["state"].values(), parts["optimizer"]["state"].values()):
-        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
-
 
 def test_simmoco_symmetric_main_writes_run_folder(tiny_folder, tmp_path):
     """SimMoCo+ (the variant no other run covers) in one process."""

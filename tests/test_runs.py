@@ -17,10 +17,15 @@ from helpers import ROOT, _env, check_run_folder, free_port, run_distributed, ru
 
 # each script with options that exercise its own state: queue, momentum encoder, EMA target,
 # support set, streaming
-RESUMED = [("simclr_dcl", ["--loss", "dclw"]), ("simclr_dcl", ["--stream", "--workers", "2"]),
-           ("moco_simmoco_simco", ["--method", "mocov2", "--queue-size", "48"]),
-           ("simsiam_byol_gsg", ["--method", "byol", "--stopgrad", "random"]),
-           ("nnclr_dcl", ["--support-size", "48"])]
+RESUMED = [
+    ("simclr_dcl", ["--loss", "dclw", "--proj-hidden", "32"]),
+    ("simclr_dcl", ["--stream", "--workers", "2", "--proj-hidden", "32"]),
+    ("moco_simmoco_simco", ["--method", "mocov2", "--symmetric", "--queue-size", "40",
+                            "--tau-beta", "0.5"]),  # two queues that wrap mid-batch
+    ("simsiam_byol_gsg", ["--method", "byol", "--stopgrad", "random", "--ema-schedule", "cosine",
+                          "--proj-hidden", "32", "--proj-dim", "32", "--pred-hidden", "8"]),
+    ("nnclr_dcl", ["--support-size", "40", "--proj-hidden", "32", "--proj-dim", "16",
+                   "--pred-hidden", "32"])]
 
 
 def flat_tensors(obj, prefix=""):

@@ -404,26 +404,6 @@ def test_imagenet_options_three_layer_projector_and_fixed_predictor_lr(tiny_fold
     assert "encoder.projector.6.weight" in checkpoint["model"]  # the third Linear
 
 
-def test_resume_restores_the_byol_ema_target_exactly(tiny_folder, tmp_path):
-    """--stop-after 1 then --resume equals an uninterrupted 2-epoch run: model, optimizer and EMA
-    target."""
-    common_args = ["--method", "byol", "--stopgrad", "guided", "--epochs", "2",
-                   "--ema-schedule", "cosine"]
-    run_main(tiny_folder, tmp_path / "whole", *common_args)
-    run_main(tiny_folder, tmp_path / "split", *common_args, "--stop-after", "1")
-    # resumable options (data folder, device, workers, linear probe) come from this command line
-    gsg.main(["--resume", str(tmp_path / "split"), "--data-dir", str(tiny_folder),
-              "--device", "cpu", "--workers", "0", "--linear-epochs", "0"])
-    whole = torch.load(tmp_path / "whole" / "checkpoint.pt")
-    split = torch.load(tmp_path / "split" / "checkpoint.pt")
-    assert split["epoch"] == whole["epoch"] == 2
-    for key in ("model", "target"):
-        assert whole[key].keys() == split[key].keys()
-        assert all(torch.equal(whole[key][k], split[key][k]) for k in whole[key]), key
-    for a, b in zip(whole["optimizer"]["state"].values(), split["optimizer"]["state"].values()):
-        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
-
-
 def test_bad_momentum_is_an_argparse_error():
     """--ema must lie in [0, 1): 1 would freeze the target, 1.5 would extrapolate."""
     assert gsg.parse_args(["--ema", "0.996"]).ema == 0.996
