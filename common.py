@@ -1022,7 +1022,7 @@ def load_checkpoint(ctx, states):
             detail = " ".join(str(error).split())[:160]
             raise UserError(f"{path}: the saved {name} does not fit this model ({detail}); "
                             f"start a new --out") from None
-        for group, flag in zip(groups, flags):
+        for group, flag in zip(getattr(state, "param_groups", []), flags):
             group.update(flag)
     ctx.print(f"resumed {ctx.out} at epoch {checkpoint['epoch']}")
     return checkpoint["epoch"]

@@ -343,3 +343,31 @@ def test_streaming_image_folder_and_augmented_linear_probe(tiny_folder, tmp_path
     assert math.isfinite(results["linear_top1"]) and results["knn_top1"] >= 0
     simclr_dcl.main(smoke_args(tiny_folder, tmp_path / "aug", "--linear-aug", "--linear-epochs", "1"))
     assert 0 <= json.load(open(tmp_path / "aug" / "results.json"))["linear_top1"] <= 100
+
+
+# ------------------------------------------------------------------------------ GPU-facing choices
+
+def test_a_resumed_optimizer_keeps_this_runs_foreach_and_fused_choice(tmp_path):
+    """A checkpoint written by a run without foreach/fused kernels (as on CPU) and loaded where
+    they are on (as fused SGD on CUDA) keeps the loading run's choice, and the saved state."""
+    ctx = Context(0, 1, 0, CPU, str(tmp_path), False)
+    weight = nn.Parameter(torch.ones(3))
+    saving = torch.optim.SGD([weight], lr=0.1, momentum=0.9, foreach=False)
+    weight.grad = torch.ones(3)
+    saving.step()
+    common.save_checkpoint(ctx, 1, {"optimizer": saving})
+    loading = torch.optim.SGD([nn.Parameter(torch.ones(3))], lr=0.1, momentum=0.9, foreach=True)
+    assert common.load_checkpoint(ctx, {"optimizer": loading}) == 1
+    assert loading.param_groups[0]["foreach"] is True
+    assert torch.equal(loading.state_dict()["state"][0]["momentum_buffer"], torch.ones(3))
+
+
+def test_compile_is_skipped_with_a_warning_under_more_than_one_process():
+    net = nn.Linear(2, 2)
+    with pytest.warns(UserWarning, match="--compile is ignored"):
+        assert common.compile_model(net, ctx_for(0, 2)) is net
+
+
+def test_a_device_that_is_not_there_is_one_error_line(tmp_path, capsys):
+    fails_with(["--device", "cuda:7", "--out", str(tmp_path / "o")], capsys, "--device cuda:7")
+    assert not (tmp_path / "o").exists()
