@@ -1,6 +1,7 @@
 """Whole runs of the four scripts: exact --resume, evaluating a finished run again, weights that
 load into torchvision, streaming, image folders decoded once, and runs across processes and
 "nodes" (all on CPU, tiny models)."""
+
 import importlib
 import json
 import os
@@ -20,21 +21,45 @@ from helpers import ROOT, _env, check_run_folder, free_port, run_distributed, ru
 RESUMED = [
     ("simclr_dcl", ["--loss", "dclw", "--proj-hidden", "32"]),
     ("simclr_dcl", ["--stream", "--workers", "2", "--proj-hidden", "32"]),
-    ("moco_simmoco_simco", ["--method", "mocov2", "--symmetric", "--queue-size", "40",
-                            "--tau-beta", "0.5"]),  # two queues that wrap mid-batch
-    ("simsiam_byol_gsg", ["--method", "byol", "--stopgrad", "random", "--ema-schedule", "cosine",
-                          "--proj-hidden", "32", "--proj-dim", "32", "--pred-hidden", "8"]),
-    ("nnclr_dcl", ["--support-size", "40", "--proj-hidden", "32", "--proj-dim", "16",
-                   "--pred-hidden", "32"])]
+    (
+        "moco_simmoco_simco",
+        ["--method", "mocov2", "--symmetric", "--queue-size", "40", "--tau-beta", "0.5"],
+    ),  # two queues that wrap mid-batch
+    (
+        "simsiam_byol_gsg",
+        [
+            "--method",
+            "byol",
+            "--stopgrad",
+            "random",
+            "--ema-schedule",
+            "cosine",
+            "--proj-hidden",
+            "32",
+            "--proj-dim",
+            "32",
+            "--pred-hidden",
+            "8",
+        ],
+    ),
+    (
+        "nnclr_dcl",
+        ["--support-size", "40", "--proj-hidden", "32", "--proj-dim", "16", "--pred-hidden", "32"],
+    ),
+]
 
 
 def flat_tensors(obj, prefix=""):
     if isinstance(obj, torch.Tensor):
         return {prefix: obj}
     if isinstance(obj, dict):
-        return {k2: v2 for k, v in obj.items() for k2, v2 in flat_tensors(v, f"{prefix}/{k}").items()}
+        return {
+            k2: v2 for k, v in obj.items() for k2, v2 in flat_tensors(v, f"{prefix}/{k}").items()
+        }
     if isinstance(obj, (list, tuple)):
-        return {k2: v2 for i, v in enumerate(obj) for k2, v2 in flat_tensors(v, f"{prefix}/{i}").items()}
+        return {
+            k2: v2 for i, v in enumerate(obj) for k2, v2 in flat_tensors(v, f"{prefix}/{i}").items()
+        }
     return {}
 
 
@@ -43,8 +68,11 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(tiny_folder, tmp_path,
     """2 epochs straight == 1 epoch, stop, --resume, 1 more: every tensor of the checkpoint
     (model, optimizer, queue, momentum encoder, EMA target, support set) and every epoch's loss."""
     main = importlib.import_module(script).main
-    run = lambda out, *more: main(smoke_args(tiny_folder, tmp_path / out, "--epochs", "2",
-                                             "--linear-epochs", "0", *extra, *more))
+    run = lambda out, *more: main(
+        smoke_args(
+            tiny_folder, tmp_path / out, "--epochs", "2", "--linear-epochs", "0", *extra, *more
+        )
+    )
     run("straight")
     run("split", "--stop-after", "1")
     assert not (tmp_path / "split" / "backbone.pt").exists()
@@ -56,8 +84,10 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(tiny_folder, tmp_path,
     assert a["epoch"] == b["epoch"] == 2 and ta.keys() == tb.keys() and len(ta) > 50
     for key in ta:
         assert torch.equal(ta[key], tb[key]), key
-    losses = [[json.loads(line)["loss"] for line in open(tmp_path / run / "metrics.jsonl")]
-              for run in ("straight", "split")]
+    losses = [
+        [json.loads(line)["loss"] for line in open(tmp_path / run / "metrics.jsonl")]
+        for run in ("straight", "split")
+    ]
     assert losses[0] == losses[1] and len(losses[0]) == 2
 
 
@@ -65,10 +95,12 @@ def test_a_finished_run_is_evaluated_again_beside_its_results(tiny_folder, tmp_p
     """--resume of a finished run with other evaluation options trains nothing, writes
     eval-<time>.json, and leaves results.json, backbone.pt and checkpoint.pt as they were."""
     import simclr_dcl
+
     simclr_dcl.main(smoke_args(tiny_folder, tmp_path))
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    simclr_dcl.main(["--resume", str(tmp_path), "--linear-aug", "--linear-epochs", "1",
-                     "--knn-k", "5"])
+    simclr_dcl.main(
+        ["--resume", str(tmp_path), "--linear-aug", "--linear-epochs", "1", "--knn-k", "5"]
+    )
     new = sorted(set(p.name for p in tmp_path.iterdir()) - set(before))
     assert len(new) == 1 and new[0].startswith("eval-") and new[0].endswith(".json")
     again = json.load(open(tmp_path / new[0]))
@@ -78,8 +110,9 @@ def test_a_finished_run_is_evaluated_again_beside_its_results(tiny_folder, tmp_p
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name in before} == before
 
 
-@pytest.mark.parametrize("arch, size", [("resnet18", 32), ("resnet18", 96), ("resnet50", 32),
-                                        ("resnet50", 96)])
+@pytest.mark.parametrize(
+    "arch, size", [("resnet18", 32), ("resnet18", 96), ("resnet50", 32), ("resnet50", 96)]
+)
 def test_backbone_pt_loads_into_torchvision(tmp_path, arch, size):
     """backbone.pt as finish() writes it loads with strict=True into torchvision's model (fc
     dropped; the CIFAR stem for <= 64 px) and gives the same features in eval mode."""
@@ -116,6 +149,7 @@ def test_an_image_folder_is_decoded_once(tiny_folder):
 
 def _args(data_dir, *extra):
     import simclr_dcl
+
     return simclr_dcl.parse_args(smoke_args(data_dir, "/nonexistent/out", *extra))
 
 
@@ -125,7 +159,9 @@ def _worker_decode_and_stream(data_dir, same_dir):
     args = _args(data_dir)
     decoded = common.load_data(args, ctx).train
     streamed = common.load_data(_args(same_dir, "--stream", "--workers", "1"), ctx)
-    images, _ = next(common.train_batches(streamed, 8, common.epoch_generators(0, 0, "cpu")[0], ctx, 1))
+    images, _ = next(
+        common.train_batches(streamed, 8, common.epoch_generators(0, 0, "cpu")[0], ctx, 1)
+    )
     return {"decoded": decoded, "crops": images}
 
 
@@ -138,11 +174,14 @@ def test_two_ranks_decode_the_set_together_and_stream_different_crops(tiny_folde
         for c in range(2):
             os.makedirs(same / split / f"c{c}")
             for i in range(8):
-                shutil.copy(os.path.join(tiny_folder, "train", "class0", "0.png"),
-                            same / split / f"c{c}" / f"{i}.png")
+                shutil.copy(
+                    os.path.join(tiny_folder, "train", "class0", "0.png"),
+                    same / split / f"c{c}" / f"{i}.png",
+                )
     ranks = run_distributed("test_runs", "_worker_decode_and_stream", tmp_path, tiny_folder, same)
-    single = common.load_data(_args(tiny_folder), common.Context(0, 1, 0, torch.device("cpu"), "",
-                                                                   False)).train
+    single = common.load_data(
+        _args(tiny_folder), common.Context(0, 1, 0, torch.device("cpu"), "", False)
+    ).train
     assert torch.equal(ranks[0]["decoded"], single) and torch.equal(ranks[1]["decoded"], single)
     a, b = ranks[0]["crops"], ranks[1]["crops"]  # (4, 2, 3, 16, 16) each: 4 images, 2 crops
     assert a.shape == b.shape == (4, 2, 3, 16, 16)
@@ -154,9 +193,21 @@ def test_every_rank_stops_together_when_the_data_is_missing(tmp_path, monkeypatc
     the other), one 'error:' line."""
     for proxy in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
         monkeypatch.setenv(proxy, "http://127.0.0.1:9")
-    done = run_script("simclr_dcl.py", ["--dataset", "cifar10", "--data-dir", tmp_path / "d",
-                                        "--device", "cpu", "--out", tmp_path / "o"], nproc=2,
-                      timeout=120)
+    done = run_script(
+        "simclr_dcl.py",
+        [
+            "--dataset",
+            "cifar10",
+            "--data-dir",
+            tmp_path / "d",
+            "--device",
+            "cpu",
+            "--out",
+            tmp_path / "o",
+        ],
+        nproc=2,
+        timeout=120,
+    )
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("error")]
     assert len(errors) == 1 and "could not be downloaded" in errors[0], done.stderr[-2000:]
@@ -168,15 +219,28 @@ def test_two_nodes_with_their_own_data_folders_train_as_one(tiny_folder, tmp_pat
     finishes and its backbone equals the one process's run on the same global batch."""
     copies = [shutil.copytree(tiny_folder, tmp_path / f"node{n}") for n in range(2)]
     port = free_port()
-    nodes = [subprocess.Popen(
-        [*_torchrun_node(n, port), os.path.join(ROOT, "simclr_dcl.py"),
-         *map(str, smoke_args(copies[n], tmp_path / "run", "--linear-epochs", "0"))],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for n in range(2)]
+    nodes = [
+        subprocess.Popen(
+            [
+                *_torchrun_node(n, port),
+                os.path.join(ROOT, "simclr_dcl.py"),
+                *map(str, smoke_args(copies[n], tmp_path / "run", "--linear-epochs", "0")),
+            ],
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(2)
+    ]
     outputs = [node.communicate(timeout=300) for node in nodes]
-    assert all(node.returncode == 0 for node in nodes), outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    assert all(node.returncode == 0 for node in nodes), (
+        outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    )
     check_run_folder(tmp_path / "run", epochs=1)
     import simclr_dcl
+
     simclr_dcl.main(smoke_args(tiny_folder, tmp_path / "one", "--linear-epochs", "0"))
     two = torch.load(tmp_path / "run" / "backbone.pt", weights_only=True)
     one = torch.load(tmp_path / "one" / "backbone.pt", weights_only=True)
@@ -185,5 +249,14 @@ def test_two_nodes_with_their_own_data_folders_train_as_one(tiny_folder, tmp_pat
 
 def _torchrun_node(node_rank, port):
     import sys
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-            f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        f"--node_rank={node_rank}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+    ]
