@@ -830,9 +830,12 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed
     """A linear classifier on frozen features standardised with the training set's mean and std,
     AdamW + cosine -> test top-1 %. Every rank computes the same from the same features."""
     rows, test_rows = (train_y >= 0).nonzero()[:, 0], (test_y >= 0).nonzero()[:, 0]
-    chunks = [train_f[r].float() for r in rows.split(65536)]  # no float32 copy of the whole bank
-    mean = sum(c.sum(0) for c in chunks) / len(rows)
-    std = (sum((c * c).sum(0) for c in chunks) / len(rows) - mean ** 2).clamp_min(0).sqrt() + 1e-6
+    total = 0
+    for r in rows.split(65536):  # in chunks: no float32 copy of a float16 bank
+        f = train_f[r].float()
+        total = total + torch.stack([f.sum(0), (f * f).sum(0)])
+    mean = total[0] / len(rows)
+    std = (total[1] / len(rows) - mean ** 2).clamp_min(0).sqrt() + 1e-6
     classifier = nn.Linear(train_f.shape[1], num_classes).to(train_f.device)
     nn.init.zeros_(classifier.weight)  # a convex problem: a zero start, no random draw
     optimizer = torch.optim.AdamW(classifier.parameters(), lr=1e-3, weight_decay=5e-4)

@@ -9,8 +9,8 @@ keys are the negatives), then its momentum encoder too (SimCo: one encoder, symm
 
     python moco_simmoco_simco.py --method simco --dataset cifar100                 # one GPU
     torchrun --nproc_per_node=8 moco_simmoco_simco.py --method simmoco --dataset cifar100
-    python moco_simmoco_simco.py --dataset imagefolder --data-dir D --width 8 --epochs 2 \\
-        --device cpu
+    python moco_simmoco_simco.py --dataset imagefolder --data-dir D --image-size 32 \\
+        --batch-size 32 --width 8 --epochs 2 --device cpu  # CPU smoke run
 
 (torchrun: --batch-size is the global batch, 256 split over the 8 GPUs; the last line is a CPU
 smoke run.) "official" below is github.com/ChaoningZhang/Dual-temperature, built on solo-learn.

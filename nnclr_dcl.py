@@ -9,8 +9,8 @@ up-weights hard positive pairs.
 
     python nnclr_dcl.py --loss dcl                        # one GPU, CIFAR-10 downloaded to ./data
     torchrun --nproc_per_node=8 nnclr_dcl.py --loss dcl   # 8 GPUs, same global batch of 256
-    # CPU smoke run on an image folder D:
-    python nnclr_dcl.py --dataset imagefolder --data-dir D --width 8 --epochs 2 --device cpu
+    python nnclr_dcl.py --dataset imagefolder --data-dir D --image-size 32 \\
+        --batch-size 32 --width 8 --epochs 2 --device cpu  # CPU smoke run
 """
 import argparse
 import math

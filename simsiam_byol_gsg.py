@@ -10,6 +10,8 @@ as x1, 2, 3 its views as x2 (official gsg/loader.py). `random` / `reverse` are S
 
     python simsiam_byol_gsg.py --method byol --stopgrad guided        # one GPU, CIFAR-10 in ./data
     torchrun --nproc_per_node=8 simsiam_byol_gsg.py --method simsiam  # 8 GPUs, same global batch
+    python simsiam_byol_gsg.py --dataset imagefolder --data-dir D --image-size 32 \\
+        --batch-size 32 --width 8 --epochs 2 --device cpu  # CPU smoke run
 """
 import argparse
 import copy
@@ -110,9 +112,8 @@ def ema_update(target, online, momentum):
 
 def ema_momentum(step, total_steps, base=0.99, schedule="constant"):
     """tau at `step`: constant, or BYOL's 1 - (1 - base) * (cos(pi k / K) + 1) / 2, rising to 1."""
-    if schedule == "constant":
-        return base
-    return 1 - (1 - base) * (math.cos(math.pi * step / total_steps) + 1) / 2
+    cosine = 1 - (1 - base) * (math.cos(math.pi * step / total_steps) + 1) / 2
+    return base if schedule == "constant" else cosine
 
 
 # ------------------------------------------------------------------------------ loss
@@ -220,10 +221,9 @@ def train_step(net, target, optimizer, views, partner, random_case, args, ctx,
 
 
 def recipes(args):
-    """SimSiam's recipe for every crop, for SimSiam and BYOL alike (GSG Sec. 6.1: the set-ups are
-    identical except the momentum encoder; bych-lee/gsg main_pretrain.py: one recipe). Blur
-    p = 0.5 above 64 px (main_pretrain.py); none at 32 px (this project's choice, as the CIFAR
-    recipes of the other scripts). Two crops for symmetric, four for GSG (gsg/loader.py)."""
+    """SimSiam's recipe for SimSiam and BYOL alike (GSG: the set-ups differ only in the momentum
+    encoder; bych-lee/gsg main_pretrain.py), blur p=0.5 above 64 px; none at 32 px (this project's
+    choice). Two crops for symmetric, four for GSG (gsg/loader.py)."""
     blur_p = 0.5 if args.image_size > 64 else 0.0
     crop = common.Recipe(crop_scale=tuple(args.crop_scale), blur_p=blur_p)
     return [crop] * (2 if args.stopgrad == "symmetric" else 4)
