@@ -453,7 +453,7 @@ def test_streaming_image_folder_and_augmented_linear_probe(tiny_folder, tmp_path
 # ------------------------------------------------------------------------------ GPU-facing choices
 
 
-def test_a_resumed_optimizer_keeps_this_runs_foreach_and_fused_choice(tmp_path):
+def test_a_resumed_optimizer_keeps_the_kernel_choice_of_the_run_that_loads_it(tmp_path):
     """A checkpoint written by a run without foreach/fused kernels (as on CPU) and loaded where
     they are on (as fused SGD on CUDA) keeps the loading run's choice, and the saved state."""
     ctx = Context(0, 1, 0, CPU, str(tmp_path), False)
