@@ -185,14 +185,15 @@ class StepProbe:
     Every call goes through unchanged. Call `warmup - 1` (untimed) also records the network calls
     train_step makes (for the bare step) and copies the loss functions' inputs (for the loss
     share); calls `warmup` .. `warmup + steps` delimit `steps` whole loop iterations; then the
-    probe stops main() with StopMain.
+    probe stops main() with StopMain. The bare steps are timed half just before that window,
+    half after it, so that a machine whose load drifts (a shared CPU) biases neither side.
     """
 
     def __init__(self, mod, warmup, steps):
         self.train_step, self.warmup, self.steps = mod.train_step, warmup, steps
         self.losses = {name: self.recording_loss(getattr(mod, name))
                        for name in LOSSES if hasattr(mod, name)}
-        self.calls, self.recording = 0, False
+        self.calls, self.recording, self.bare_seconds = 0, False, 0.0
         self.network_calls, self.loss_calls = [], []
 
     def recording_loss(self, loss_fn):
@@ -212,7 +213,7 @@ class StepProbe:
             self.seconds = (time.perf_counter() - self.start) / self.steps
             raise StopMain
         if self.calls == self.warmup:
-            sync(ctx.device)
+            self.time_bare_steps(self.steps - self.steps // 2)
             if ctx.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(ctx.device)
             self.start = time.perf_counter()
@@ -240,6 +241,14 @@ class StepProbe:
             self.network_calls.append((module, args, torch.is_grad_enabled()))
         return [m.register_forward_pre_hook(note) for m in modules
                 if m is modules[0] or id(m) not in inside]
+
+    def time_bare_steps(self, n):
+        sync(self.ctx.device)
+        start = time.perf_counter()
+        for _ in range(n):
+            self.bare_step()
+        sync(self.ctx.device)
+        self.bare_seconds += time.perf_counter() - start
 
     def bare_step(self):
         """The recorded network calls, a trivial loss on their outputs, backward and SGD."""
@@ -300,12 +309,8 @@ def measure_step(name, args, out):
     device = probe.ctx.device
     memory = (f"{torch.cuda.max_memory_allocated(device) / 2 ** 30:.2f} GiB"
               if device.type == "cuda" else "n/a")
-    sync(device)
-    start = time.perf_counter()  # the networks are warm: the real steps ran the same shapes
-    for _ in range(args.steps):
-        probe.bare_step()
-    sync(device)
-    bare = (time.perf_counter() - start) / args.steps
+    probe.time_bare_steps(args.steps // 2)  # the other half is timed before the real steps
+    bare = probe.bare_seconds / args.steps
     loss = best_time(probe.loss_step, device, args.reps)
     what = (f"{name} ({args.arch} w{args.width}, {args.step_image_size} px, "
             f"{probe.views} views)")
