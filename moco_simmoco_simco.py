@@ -153,6 +153,9 @@ def dual_temperature_loss(q, k, tau_alpha=0.1, tau_beta=1.0, queue=None):
     logits = torch.cat([l_pos, l_neg], 1)  # (B, 1 + K) or (B, 1 + N): the positive in column 0
     labels = torch.zeros(len(q), dtype=torch.long, device=q.device)
     infonce = F.cross_entropy(logits / tau_alpha, labels, reduction="none")  # (B,) -log p_+(tau_a)
+    if tau_beta == tau_alpha:  # the weight ratio is 1: plain InfoNCE (DT Eq. 1), MoCo v2's loss
+        w = -torch.expm1(-infonce.detach())  # W_i = 1 - p_+ = 1 - exp(-InfoNCE_i), a diagnostic
+        return infonce.mean(), (w, w)
 
     def log_w(tau):  # (B,) log W_i(tau): the softmax mass on the negatives, 1 - p_+ (DT Eq. 4)
         # in log space: as p_+ -> 1, the difference 1 - p_+ keeps no significant digit
@@ -160,8 +163,7 @@ def dual_temperature_loss(q, k, tau_alpha=0.1, tau_beta=1.0, queue=None):
         return log_neg - torch.logaddexp(l_pos[:, 0] / tau, log_neg)  # minus the log denominator
 
     with torch.no_grad():  # sg(.): the weight is a constant to autograd
-        log_w_alpha = log_w(tau_alpha)
-        log_w_beta = log_w_alpha if tau_beta == tau_alpha else log_w(tau_beta)
+        log_w_alpha, log_w_beta = log_w(tau_alpha), log_w(tau_beta)
     loss = (torch.exp(log_w_beta - log_w_alpha) * infonce).mean()  # DT Eq. 9
     return loss, (log_w_alpha.exp(), log_w_beta.exp())
 
