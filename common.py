@@ -1,11 +1,11 @@
 """Shared infrastructure for the method files; no algorithm lives here.
 
-Distributed setup and an autograd-aware all-gather, ResNets with a small-image stem, datasets held
-on the device (or streamed for large image folders), batched per-sample augmentation, kNN and
-linear evaluation, the learning-rate schedule, the run folder and exact checkpoints.
-Losses, heads, EMA updates, queues and training steps live in the method files.
+Command line and run folder, processes and an autograd-aware all-gather, a ResNet in
+torchvision's layout, data held on the device (or streamed), batched per-sample augmentation,
+kNN and linear evaluation, the learning-rate schedule and exact checkpoints.
 """
 import argparse
+import datetime
 import json
 import math
 import os
@@ -13,13 +13,23 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torchvision  # here, before any process group: see below
+import torchvision.transforms.v2 as T
+from PIL import Image
 from tqdm import tqdm
+
+# torchvision imports torch._dynamo, and importing torch._dynamo after init_process_group keeps a
+# reference to the default process group that destroy_process_group cannot drop (torch 2.14):
+# gloo's worker threads then outlive it, and one that still releases a tensor while Python exits
+# aborts the process ("terminate called without an active exception"). So torchvision is imported
+# here, at the top, never inside a function that runs after setup().
 
 
 class UserError(Exception):
@@ -27,17 +37,15 @@ class UserError(Exception):
 
 
 def run(main):
-    """Call `main()`; turn a UserError into one line on stderr and a non-zero exit."""
+    """Call `main()`; turn a UserError into one line on stderr and exit status 2."""
     try:
         main()
     except UserError as error:
         rank = int(os.environ.get("RANK", 0))
-        if rank != 0:
-            # Rank 0 says it. torchrun stops every worker as soon as one exits, so the others wait a
-            # moment (and are usually stopped) instead of racing rank 0's message; an error that only
-            # this rank hit is still printed.
-            time.sleep(1)
-        print(f"error: {error}" if rank == 0 else f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
+        if rank != 0:  # rank 0 says what every rank usually met, and torchrun then stops the
+            time.sleep(10)  # others; a rank that met an error alone says it after a while
+        print(f"error: {error}" if rank == 0 else f"error (rank {rank}): {error}",
+              file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
         if dist.is_initialized():
@@ -47,32 +55,28 @@ def run(main):
 # ------------------------------------------------------------------------------ command line
 
 def positive_int(text):
-    value = int(text)
-    if value < 1:
+    if int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def positive_float(text):
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
+    return int(text)
 
 
 def non_negative_int(text):
-    value = int(text)
-    if value < 0:
+    if int(text) < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text}")
-    return value
+    return int(text)
+
+
+def positive_float(text):
+    if not float(text) > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return float(text)
 
 
 def momentum_value(text):
     """An EMA momentum m in [0, 1): target <- m * target + (1 - m) * online."""
-    value = float(text)
-    if not 0 <= value < 1:
+    if not 0 <= float(text) < 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
+    return float(text)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -80,82 +84,84 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 def add_common_args(parser):
-    """The options every script shares ; method files set their own defaults."""
+    """The options every script shares. Batch, epochs, lr, wd, warm-up and crop scale get their
+    defaults from each method file (parser.set_defaults, with their sources)."""
     a = parser.add_argument
     a("--dataset", choices=["cifar10", "cifar100", "stl10", "imagefolder"], default="cifar10",
-      help="training data; imagefolder reads DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*")
-    a("--data-dir", default="./data", help="where the dataset lives (CIFAR/STL are downloaded here)")
-    a("--image-size", type=positive_int, default=None,
-      help="side of the square training images (default: 32 CIFAR, 96 STL-10, 224 imagefolder)")
-    a("--stream", action="store_true",
-      help="imagefolder: decode images in DataLoader workers every epoch instead of once onto the "
-           "device (automatic when the decoded set would exceed 16 GB)")
-    a("--crop-scale", type=float, nargs=2, default=(0.08, 1.0), metavar=("MIN", "MAX"),
-      help="area range of the random resized crop")
-    a("--workers", type=int, default=min(8, os.cpu_count() or 1), help="DataLoader workers for decoding")
+      help="imagefolder reads DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*")
+    a("--data-dir", default="./data", help="where the data set is (CIFAR/STL-10 download here)")
+    a("--image-size", type=positive_int, help="default: 32 CIFAR, 96 STL-10, 224 imagefolder")
+    a("--stream", action="store_true", help="imagefolder: decode in DataLoader workers every "
+      "epoch (automatic when the decoded set would fill over half the free device memory)")
+    a("--workers", type=non_negative_int, default=min(8, os.cpu_count() or 1),
+      help="DataLoader workers that decode image files")
+    a("--limit-train", type=positive_int, help="use only the first N training images")
     a("--arch", choices=["resnet18", "resnet34", "resnet50"], default="resnet18", help="backbone")
     a("--width", type=positive_int, default=64, help="base channel count (64 = standard ResNet)")
-    a("--epochs", type=non_negative_int, default=200,
-      help="pre-training epochs (0: evaluate the untrained network)")
-    a("--batch-size", type=positive_int, default=256, help="global batch, split evenly across ranks")
-    a("--lr", type=positive_float, default=0.06, help="base learning rate per 256 images (lr = LR * batch / 256)")
-    a("--wd", type=float, default=5e-4, help="weight decay")
-    a("--warmup-epochs", type=int, default=10, help="linear learning-rate warm-up epochs")
-    a("--out", default=None, help="run folder (default runs/<script>-<time>)")
-    a("--resume", default=None, help="run folder or checkpoint.pt to continue bit-for-bit")
-    a("--stop-after", type=positive_int, default=None,
-      help="end this process after that many epochs in total, keeping the checkpoint (continue with --resume)")
-    a("--eval-every", type=positive_int, default=10, help="kNN monitor every N epochs (and at the last)")
+    a("--epochs", type=non_negative_int, help="pre-training epochs (0: evaluate the untrained net)")
+    a("--batch-size", type=positive_int, help="global batch, split evenly across processes")
+    a("--lr", type=positive_float, help="base learning rate per 256 images (lr = LR * batch / 256)")
+    a("--wd", type=float, help="weight decay")
+    a("--warmup-epochs", type=non_negative_int, help="linear learning-rate warm-up epochs")
+    a("--crop-scale", type=float, nargs=2, metavar=("MIN", "MAX"), help="random crop's area range")
+    a("--out", help="run folder (default runs/<script>-<time>)")
+    a("--resume", metavar="RUN", help="continue RUN bit-for-bit (or evaluate a finished RUN again "
+      "with other evaluation options)")
+    a("--stop-after", type=positive_int, help="end after that many epochs in all (then --resume)")
+    a("--eval-every", type=positive_int, default=10, help="kNN monitor every N epochs (and last)")
     a("--knn-k", type=positive_int, default=200, help="neighbours of the kNN monitor")
     a("--knn-t", type=positive_float, default=0.1, help="temperature of the weighted kNN vote")
-    a("--linear-epochs", type=int, default=100, help="epochs of the final linear probe (0 skips it)")
-    a("--linear-aug", action="store_true",
-      help="train the linear probe on crop+flip augmented images (slower) instead of fixed features")
-    a("--limit-train", type=positive_int, default=None, help="use only the first N training images")
+    a("--linear-epochs", type=non_negative_int, default=100, help="final linear probe (0: none)")
+    a("--linear-aug", action="store_true", help="the probe protocol of MoCo/SimSiam/GSG: SGD on "
+      "crop+flip views (slow) instead of AdamW on fixed standardised features")
+    a("--linear-lr", type=positive_float, default=30.0,
+      help="--linear-aug SGD lr per 256 images (MoCo's main_lincls.py)")
     a("--seed", type=int, default=0, help="random seed (model init, data order, augmentation)")
-    a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
-    a("--amp", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast on CUDA")
-    a("--compile", action="store_true", help="torch.compile the model")
+    a("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+      help="cuda, cuda:N or cpu (under torchrun, cuda means cuda:LOCAL_RANK)")
+    a("--amp", action=argparse.BooleanOptionalAction, help="bf16 autocast on CUDA (default: "
+      "where the GPU has native bf16)")
+    a("--compile", action="store_true", help="torch.compile the model (one process only)")
 
 
-# Options that may differ between a run and its --resume; everything else must match the checkpoint.
-RESUMABLE = {"resume", "out", "device", "data_dir", "workers", "stop_after", "eval_every", "compile",
-             "amp", "knn_k", "knn_t", "linear_epochs", "linear_aug"}
+# The options --resume may change; every other one comes from the run's config.json.
+RESUMABLE = {"resume", "device", "data_dir", "workers", "stop_after", "eval_every", "compile",
+             "amp", "knn_k", "knn_t", "linear_epochs", "linear_aug", "linear_lr"}
 
 
-def parse_args(parser, argv=None):
-    """Parse; with --resume, take the checkpoint's arguments and refuse conflicting ones."""
+def parse_args(parser, argv, script):
+    """The run's arguments: a new run gets a fresh --out (a folder holding a run is refused);
+    --resume RUN takes RUN's config.json, changed only by the options in RESUMABLE."""
     args = parser.parse_args(argv)
-    args.checkpoint = None
     if args.resume is None:
+        args.out = args.out or os.path.join("runs", f"{script}-{time.strftime('%Y%m%d-%H%M%S')}")
+        if os.path.exists(os.path.join(args.out, "config.json")):
+            raise UserError(f"--out {args.out} already holds a run: continue it with --resume "
+                            f"{args.out}, or choose another --out")
         return args
-    path = args.resume
-    if os.path.isdir(path):
-        path = os.path.join(path, "checkpoint.pt")
-    if not os.path.isfile(path):
-        raise UserError(f"--resume {args.resume}: no checkpoint.pt there; give a run folder of this project")
-    checkpoint = load_checkpoint(path)
-    saved = checkpoint["args"]
-    # Which options were typed on the command line: argparse fills in a default only where the
-    # namespace lacks the attribute, so a namespace pre-filled with a sentinel keeps just the typed ones.
-    unset = object()
-    probe = argparse.Namespace(**{action.dest: unset for action in parser._actions})
-    typed = {k: v for k, v in vars(parser.parse_args(argv, probe)).items() if v is not unset}
-    for key, value in typed.items():
-        if key not in RESUMABLE and key in saved and saved[key] != value:
-            raise UserError(f"checkpoint {path} was trained with --{key.replace('_', '-')} {saved[key]}, "
-                            f"not {value}; drop that option to continue the run, or start a new --out")
-    merged = vars(args)  # defaults only for options newer than the checkpoint
-    merged.update(saved)
-    merged.update({k: v for k, v in typed.items() if k in RESUMABLE})
-    if "out" not in typed:
-        merged["out"] = os.path.dirname(os.path.abspath(path))
-    args = argparse.Namespace(**merged)
-    args.checkpoint = checkpoint
+    run = os.path.dirname(args.resume) if args.resume.endswith(".pt") else args.resume
+    try:
+        with open(os.path.join(run, "config.json")) as f:
+            config = json.load(f)
+        saved = config["args"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"--resume {run}: no readable config.json there; give a run folder of "
+                        f"this project") from None
+    if config.get("script") != script:
+        raise UserError(f"--resume {run}: that run was made by {config.get('script')}.py, not "
+                        f"{script}.py; start a new --out")
+    parser.set_defaults(**saved)  # the options not typed again take the run's values
+    args = parser.parse_args(argv)
+    for key, value in vars(args).items():
+        value = json.loads(json.dumps(value))  # tuples -> lists, as saved
+        if key in saved and key not in RESUMABLE | {"out"} and value != saved[key]:
+            raise UserError(f"run {run} was trained with --{key.replace('_', '-')} {saved[key]}, "
+                            f"not {value}; drop that option to continue it, or start a new --out")
+    args.out = run
     return args
 
 
-# ------------------------------------------------------------------------------ distributed
+# ------------------------------------------------------------------------------ processes
 
 @dataclass
 class Context:
@@ -165,75 +171,45 @@ class Context:
     device: torch.device
     out: str
     amp: bool
-    script: str = ""
-    is_main: bool = field(init=False)
 
-    def __post_init__(self):
-        self.is_main = self.rank == 0
+    @property
+    def is_main(self):
+        return self.rank == 0
 
     def autocast(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.amp)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp)
 
     def print(self, *text):
         if self.is_main:
             tqdm.write(" ".join(str(t) for t in text))
 
 
-def setup(args, script):
-    """Process group from torchrun's environment (world of one without it), device, seed, run folder."""
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    rank = int(os.environ.get("RANK", 0))
+def setup(args):
+    """This process's device and the process group of torchrun's processes (a world of one
+    without torchrun). On CUDA also the cuDNN autotuner; matmuls stay full float32 (no TF32)."""
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError("--device cuda but no CUDA GPU is visible; use --device cpu")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        torch.backends.cudnn.benchmark = True
-    elif device.type != "cpu":
-        raise UserError(f"--device {args.device}: use cuda or cpu")
-    if args.checkpoint is not None and args.checkpoint.get("script", script) != script:
-        raise UserError(f"--resume {args.resume}: that run was made by {args.checkpoint['script']}.py, "
-                        f"not {script}.py; start a new --out")
     if args.batch_size % world or args.batch_size // world < 2:
-        raise UserError(f"--batch-size {args.batch_size} must be a multiple of the {world} processes "
-                        f"with at least 2 images per process")
+        raise UserError(f"--batch-size {args.batch_size} must be a multiple of the {world} "
+                        f"processes with at least 2 images per process")
+    device = torch.device(args.device) if args.device.split(":")[0] in ("cpu", "cuda") else None
+    if device is None or device.type == "cpu" and device.index:
+        raise UserError(f"--device {args.device}: use cuda, cuda:N or cpu")
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        # torchrun: one GPU per local rank; a launcher that shows each process one GPU: that one
+        device = device if device.index is not None else torch.device(
+            "cuda", local_rank if count > 1 else 0)
+        if device.index >= count:
+            raise UserError(f"--device {device}, but {count} CUDA GPU(s) are visible here")
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True
     if world > 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            dist.init_process_group("nccl", device_id=device)
-        else:
-            dist.init_process_group("gloo")
-    torch.manual_seed(args.seed)  # the same initial model on every rank
-    out = args.out or os.path.join("runs", f"{script}-{time.strftime('%Y%m%d-%H%M%S')}")
-    args.out = out
-    ctx = Context(rank, world, local_rank, device, out, amp=args.amp and device.type == "cuda", script=script)
-    if ctx.is_main:
-        os.makedirs(out, exist_ok=True)
-        config = {k: v for k, v in vars(args).items() if k != "checkpoint"}
-        config["world_size"] = world
-        config["command"] = sys.argv
-        config["versions"] = {"python": platform.python_version(), "torch": torch.__version__,
-                              "torchvision": _torchvision_version(), "git_commit": _git_commit()}
-        with open(os.path.join(out, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-    return ctx
-
-
-def _torchvision_version():
-    import torchvision
-    return torchvision.__version__
-
-
-def _git_commit():
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
-                              text=True, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    amp = device.type == "cuda" and (args.amp if args.amp is not None else
+                                     torch.cuda.is_bf16_supported(including_emulation=False))
+    return Context(rank, world, local_rank, device, args.out, amp)
 
 
 def rank():
@@ -248,74 +224,47 @@ class _GatherWithGrad(torch.autograd.Function):
     """all_gather whose backward hands each rank the gradient of its own rows.
 
     Every rank's loss uses every rank's rows, so the gradient of the global loss with respect to
-    my rows is the sum, over ranks, of their losses' gradients with respect to my rows: hence the
-    all_reduce(SUM) in backward before taking my slice. (Plain dist.all_gather has no backward,
-    so the negatives from other ranks would silently get no gradient.)
+    my rows is the sum over ranks of their losses' gradients: all_reduce(SUM), then my slice.
+    (dist.all_gather has no backward: the other ranks' negatives would get no gradient.)
     """
 
     @staticmethod
     def forward(ctx, x):
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts)
+        return gather(x)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad)
+        grad = all_reduce_sum(grad.contiguous())
         rows = grad.shape[0] // dist.get_world_size()
-        start = dist.get_rank() * rows
-        return grad[start:start + rows]
+        return grad[dist.get_rank() * rows:(dist.get_rank() + 1) * rows]
 
 
 def gather_with_grad(x):
     """(B, ...) on each rank -> (world * B, ...) in rank order, differentiable."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return x
-    return _GatherWithGrad.apply(x)
+    return _GatherWithGrad.apply(x) if world_size() > 1 else x
 
 
 @torch.no_grad()
 def gather(x):
     """(B, ...) on each rank -> (world * B, ...) in rank order, no gradient."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if world_size() == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts)
+    out = x.new_empty((world_size() * x.shape[0],) + x.shape[1:])
+    dist.all_gather_into_tensor(out, x.contiguous())
+    return out
 
 
 def all_reduce_sum(x):
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if world_size() > 1:
         x = x.clone()
         dist.all_reduce(x)
     return x
 
 
-def float32(t):
-    """The loss's precision: bf16 outputs of autocast -> float32; float32 and float64 unchanged."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-def logsumexp_rows(logits, bound):
-    """log sum_j exp(logits_..j) over the last dim -> (..., R), for logits <= `bound` (unit vectors: 1/tau).
-
-    Shifting by the known bound instead of each row's maximum saves torch.logsumexp's max pass and
-    half of its backward passes over the (R, C) matrix. Overwrites `logits` (a fresh matmul output:
-    the matmul saved its inputs, not it). Exact unless a whole row lies 80 below the bound, which
-    logits >= -bound rule out for bound <= 40; larger bounds (tau < 0.025) take torch.logsumexp.
-    """
-    if bound > 40:
-        return torch.logsumexp(logits, -1)
-    return torch.exp(logits.sub_(bound)).sum(-1).log() + bound
-
-
 class GatherBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm with statistics over every rank's batch, for CPU (gloo) runs.
-
-    torch's SyncBatchNorm runs only on CUDA. This one all-gathers the per-channel sums and sums
-    of squares with gradient, so a 2-process CPU run normalises exactly as one process would.
-    """
+    """BatchNorm with statistics over every rank's batch, for CPU (gloo) runs: torch's
+    SyncBatchNorm runs on CUDA only. It all-gathers the per-rank means and sums of squared
+    deviations with gradient, so 2 CPU processes normalise exactly as one would."""
 
     def _check_input_dim(self, x):
         if x.dim() < 2:
@@ -324,16 +273,14 @@ class GatherBatchNorm(nn.modules.batchnorm._BatchNorm):
     def forward(self, x):
         if not self.training:
             return super().forward(x)
-        dims = [0] + list(range(2, x.dim()))
-        shape = [1, -1] + [1] * (x.dim() - 2)
-        # Per-rank mean and sum of squared deviations, combined across ranks (Chan et al.): stable
-        # where E[x^2] - mean^2 would cancel. Equal batch sizes on every rank make the mean a plain average.
+        dims, shape = [0] + list(range(2, x.dim())), [1, -1] + [1] * (x.dim() - 2)
+        n = x.numel() // x.shape[1]  # values per channel on this rank, the same on every rank
         local_mean = x.mean(dims)
         local_m2 = ((x - local_mean.view(shape)) ** 2).sum(dims)
         stats = gather_with_grad(torch.stack([local_mean, local_m2])[None])  # (world, 2, C)
-        mean = stats[:, 0].mean(0)
-        count = x.numel() // x.shape[1] * dist.get_world_size()
-        var = (stats[:, 1].sum(0) + (x.numel() // x.shape[1]) * ((stats[:, 0] - mean) ** 2).sum(0)) / count
+        # Chan et al.'s combination: stable where E[x^2] - mean^2 would cancel
+        mean, count = stats[:, 0].mean(0), n * stats.shape[0]
+        var = (stats[:, 1].sum(0) + n * ((stats[:, 0] - mean) ** 2).sum(0)) / count
         with torch.no_grad():
             self.num_batches_tracked += 1
             self.running_mean.lerp_(mean, self.momentum)
@@ -343,7 +290,8 @@ class GatherBatchNorm(nn.modules.batchnorm._BatchNorm):
 
 
 def sync_batchnorm(module, ctx):
-    """Make every BatchNorm normalise over the global batch (SyncBatchNorm on CUDA)."""
+    """Every BatchNorm of `module` normalises over the global batch: SyncBatchNorm on CUDA,
+    GatherBatchNorm on CPU (changed in place and returned)."""
     if ctx.world == 1:
         return module
     if ctx.device.type == "cuda":
@@ -351,25 +299,39 @@ def sync_batchnorm(module, ctx):
     for name, child in module.named_children():
         if isinstance(child, nn.modules.batchnorm._BatchNorm):
             synced = GatherBatchNorm(child.num_features, child.eps, child.momentum, child.affine)
-            synced = synced.to(child.running_mean)  # same device and dtype
             synced.load_state_dict(child.state_dict())
-            setattr(module, name, synced)
+            setattr(module, name, synced.to(child.running_mean))
         else:
             sync_batchnorm(child, ctx)
     return module
 
 
-def distribute(model, ctx, compile=False):
-    """Global BatchNorm, channels_last on CUDA, DDP across ranks; returns the module to call."""
+def distribute(model, ctx):
+    """Global BatchNorm, channels_last on CUDA, DDP across processes: the module to call.
+    (`model` itself stays the bare module, whose state_dict has no 'module.' prefix.)"""
     model = sync_batchnorm(model, ctx)
     if ctx.device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
+    if ctx.world == 1:
+        return model
+    # global BatchNorm keeps the buffers equal on every rank: nothing to broadcast each step
+    return nn.parallel.DistributedDataParallel(
+        model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+        broadcast_buffers=False)
+
+
+def compile_model(net, ctx):
+    """torch.compile on one process only: compiling DDP with SyncBatchNorm has open upstream
+    failures, and no multi-GPU run of this project has passed with it yet."""
     if ctx.world > 1:
-        model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    if compile:
-        model = torch.compile(model)
-    return model
+        warnings.warn("--compile is ignored with more than one process (DDP + SyncBatchNorm)")
+        return net
+    return torch.compile(net)
+
+
+def float32(t):
+    """The loss's precision: bf16 outputs of autocast -> float32; float32 and float64 unchanged."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 # ------------------------------------------------------------------------------ ResNet
@@ -379,13 +341,9 @@ class BasicBlock(nn.Module):
 
     def __init__(self, c_in, c, stride):
         super().__init__()
-        self.conv1 = nn.Conv2d(c_in, c, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c)
-        self.downsample = None
-        if stride != 1 or c_in != c:
-            self.downsample = nn.Sequential(nn.Conv2d(c_in, c, 1, stride, bias=False), nn.BatchNorm2d(c))
+        self.conv1, self.bn1 = nn.Conv2d(c_in, c, 3, stride, 1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c)
+        self.downsample = shortcut(c_in, c, stride)
 
     def forward(self, x):
         out = F.relu(self.bn1(self.conv1(x)))
@@ -398,16 +356,10 @@ class Bottleneck(nn.Module):
 
     def __init__(self, c_in, c, stride):
         super().__init__()
-        self.conv1 = nn.Conv2d(c_in, c, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, stride, 1, bias=False)  # stride on the 3x3, as torchvision (v1.5)
-        self.bn2 = nn.BatchNorm2d(c)
-        self.conv3 = nn.Conv2d(c, 4 * c, 1, bias=False)
-        self.bn3 = nn.BatchNorm2d(4 * c)
-        self.downsample = None
-        if stride != 1 or c_in != 4 * c:
-            self.downsample = nn.Sequential(nn.Conv2d(c_in, 4 * c, 1, stride, bias=False),
-                                            nn.BatchNorm2d(4 * c))
+        self.conv1, self.bn1 = nn.Conv2d(c_in, c, 1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, stride, 1, bias=False), nn.BatchNorm2d(c)
+        self.conv3, self.bn3 = nn.Conv2d(c, 4 * c, 1, bias=False), nn.BatchNorm2d(4 * c)
+        self.downsample = shortcut(c_in, 4 * c, stride)
 
     def forward(self, x):
         out = F.relu(self.bn1(self.conv1(x)))
@@ -416,14 +368,20 @@ class Bottleneck(nn.Module):
         return F.relu(self.bn3(self.conv3(out)) + identity)
 
 
+def shortcut(c_in, c_out, stride):
+    """torchvision's `downsample`: 1x1 conv + BN where the block changes the shape, else None."""
+    if stride == 1 and c_in == c_out:
+        return None
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+
 class ResNet(nn.Module):
     """ResNet-18/34/50 backbone: image (B, 3, S, S) -> features (B, out_dim), no classifier.
 
-    Written out (not torchvision's class) so that `width` can shrink every layer for CPU runs;
-    module names are torchvision's, so at width 64 the state_dict loads into
-    torchvision.models.resnet18/34/50 (with `fc` dropped) unchanged.
-    Images up to 64 px get the CIFAR stem (3x3 stride-1 conv, no max-pool): the ImageNet stem
-    would shrink a 32 px image to 8 px before the first block.
+    Written out, not torchvision's class, so that `width` can shrink every layer for CPU runs;
+    the module names are torchvision's, so at width 64 the weights load into
+    torchvision.models.resnet18/34/50 (with `fc` dropped). Images up to 64 px get the CIFAR stem
+    (3x3 stride-1 conv, no max-pool): the ImageNet one would shrink 32 px to 8 before layer1.
     """
     LAYERS = {"resnet18": (BasicBlock, [2, 2, 2, 2]), "resnet34": (BasicBlock, [3, 4, 6, 3]),
               "resnet50": (Bottleneck, [3, 4, 6, 3])}
@@ -447,10 +405,9 @@ class ResNet(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-        if zero_init_residual:  # each residual branch starts as zero: every block starts as identity
-            for m in self.modules():
-                if isinstance(m, (BasicBlock, Bottleneck)):
-                    nn.init.zeros_(m.bn3.weight if isinstance(m, Bottleneck) else m.bn2.weight)
+            if zero_init_residual and isinstance(m, (BasicBlock, Bottleneck)):
+                # each block starts as the identity (official SimSiam / GSG code)
+                nn.init.zeros_(m.bn3.weight if isinstance(m, Bottleneck) else m.bn2.weight)
 
     def forward(self, x):
         x = self.maxpool(F.relu(self.bn1(self.conv1(x))))
@@ -464,18 +421,18 @@ STATS = {"cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
          "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
          "stl10": ((0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)),
          "imagefolder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))}
-STREAM_ABOVE_BYTES = 16 * 2 ** 30
 
 
 @dataclass
 class Data:
-    """Pre-training set and the two evaluation splits.
+    """The pre-training set and the two evaluation splits; labels are -1 where unlabelled.
 
-    On the device: `train` is uint8 (N, 3, S, S) and the eval splits are (images, labels) pairs.
-    Streaming: `train` is a Dataset of two pre-cropped views and the eval splits are Datasets.
+    On the device: `train` is uint8 (N, 3, S, S), the eval splits (uint8 images, labels), and
+    eval_train shares train's tensor where they are the same images. Streaming (--stream):
+    `train` and the eval splits are ImageFiles datasets that DataLoader workers decode.
     """
     train: object
-    train_labels: torch.Tensor  # (N,) int64, -1 where unlabeled (STL-10)
+    train_labels: torch.Tensor
     eval_train: object
     eval_test: object
     num_classes: int
@@ -488,180 +445,169 @@ class Data:
         return len(self.train_labels)
 
 
-def _torchvision_set(name, root, ctx, **kwargs):
-    """Rank 0 downloads once; the others read what it wrote."""
-    import torchvision
+def load_data(args, ctx, crops=2):
+    """--dataset as Data; `crops`: random crops per image that a streaming train set makes."""
+    mean, std = STATS[args.dataset]
+    if args.dataset == "imagefolder":
+        return image_folder(args, ctx, mean, std, crops)
+    size = 96 if args.dataset == "stl10" else 32
+    if args.image_size not in (None, size):
+        raise UserError(f"--image-size {args.image_size}: {args.dataset} images are {size} px")
+    if args.dataset == "stl10":  # pre-train on train+unlabeled, evaluate on the labelled splits
+        train = torchvision_split(args, ctx, args.limit_train, split="train+unlabeled")
+        eval_train = torchvision_split(args, ctx, args.limit_train, split="train")
+        test = torchvision_split(args, ctx, None, split="test")
+    else:
+        train = eval_train = torchvision_split(args, ctx, args.limit_train, train=True)
+        test = torchvision_split(args, ctx, None, train=False)
+    classes = 100 if args.dataset == "cifar100" else 10
+    return check_size(Data(train[0], train[1], eval_train, test, classes, size, mean, std), args)
+
+
+def check_size(data, args):
+    if len(data) < args.batch_size:
+        raise UserError(f"--batch-size {args.batch_size} is more than the {len(data)} training "
+                        f"images; use a smaller batch")
+    return data
+
+
+def torchvision_split(args, ctx, limit, **split):
+    """CIFAR/STL-10 as uint8 (N, 3, S, S) and labels on the device. Each node's first process
+    downloads (no shared file system needed); then every rank learns whether every node has the
+    data, on a gloo group whose time-out outlasts a slow download, and all stop together if not."""
     cls = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100,
-           "stl10": torchvision.datasets.STL10}[name]
-    try:
-        if ctx.is_main:
-            try:
-                return cls(root, download=True, **kwargs)
-            finally:
-                if ctx.world > 1:
-                    dist.barrier()
-        if ctx.world > 1:
-            dist.barrier()
-        return cls(root, download=False, **kwargs)
-    except Exception as error:  # URLError, RuntimeError("Dataset not found or corrupted"), ...
-        raise UserError(f"no {name} in {root} and it could not be downloaded ({type(error).__name__}); "
-                        f"put {cls.filename} or its extracted {cls.base_folder}/ there, or point "
-                        f"--data-dir at a folder that has it") from None
-
-
-def _as_tensors(dataset, limit=None):
+           "stl10": torchvision.datasets.STL10}[args.dataset]
+    ready = torch.ones(1)
+    if ctx.local_rank == 0:
+        try:
+            cls(args.data_dir, download=True, **split)
+        except Exception:  # URLError, RuntimeError("Dataset not found or corrupted"), ...
+            ready.zero_()
+    if ctx.world > 1:
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6))
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
+    if not ready.item():
+        raise UserError(f"no {args.dataset} in {args.data_dir} and it could not be downloaded; "
+                        f"put {cls.filename} or its extracted {cls.base_folder}/ there")
+    dataset = cls(args.data_dir, download=False, **split)
     images = torch.as_tensor(dataset.data)
-    if images.shape[-1] == 3:  # CIFAR stores (N, H, W, 3)
-        images = images.permute(0, 3, 1, 2)
+    images = images.permute(0, 3, 1, 2) if images.shape[-1] == 3 else images  # CIFAR is NHWC
     labels = torch.as_tensor(dataset.labels if hasattr(dataset, "labels") else dataset.targets)
-    if limit:
-        images, labels = images[:limit], labels[:limit]
-    return images.contiguous(), labels.long()
+    return images[:limit].contiguous().to(ctx.device), labels[:limit].long().to(ctx.device)
 
 
-def load_data(args, ctx):
-    name = args.dataset
-    mean, std = STATS[name]
-    if name in ("cifar10", "cifar100", "stl10"):
-        size = 96 if name == "stl10" else 32
-        if args.image_size not in (None, size):
-            raise UserError(f"--image-size {args.image_size}: {name} images are {size} px")
-        os.makedirs(args.data_dir, exist_ok=True)
-        if name == "stl10":
-            train = _as_tensors(_torchvision_set(name, args.data_dir, ctx, split="train+unlabeled"), args.limit_train)
-            eval_train = _as_tensors(_torchvision_set(name, args.data_dir, ctx, split="train"), args.limit_train)
-            test = _as_tensors(_torchvision_set(name, args.data_dir, ctx, split="test"))
-        else:
-            train = eval_train = _as_tensors(_torchvision_set(name, args.data_dir, ctx, train=True), args.limit_train)
-            test = _as_tensors(_torchvision_set(name, args.data_dir, ctx, train=False))
-        to = lambda pair: tuple(t.to(ctx.device) for t in pair)
-        train, eval_train, test = to(train), to(eval_train), to(test)
-        return Data(train[0], train[1], eval_train, test, 100 if name == "cifar100" else 10, size, mean, std)
-    return _load_image_folder(args, ctx, mean, std)
-
-
-def _load_image_folder(args, ctx, mean, std):
-    import torchvision
-    size = args.image_size or 224
-    splits = {}
+def image_folder(args, ctx, mean, std, crops):
+    size, folders = args.image_size or 224, {}
     for split in ("train", "val"):
         root = os.path.join(args.data_dir, split)
         if not os.path.isdir(root):
-            raise UserError(f"imagefolder: {root} does not exist; --data-dir needs train/ and val/ "
-                            f"folders with one subfolder of images per class")
+            raise UserError(f"imagefolder: {root} does not exist; --data-dir needs train/ and "
+                            f"val/ folders with one subfolder of images per class")
         try:
-            splits[split] = torchvision.datasets.ImageFolder(root)
+            folders[split] = torchvision.datasets.ImageFolder(root)
         except (FileNotFoundError, RuntimeError) as error:
-            raise UserError(f"imagefolder: {root} has no images in class subfolders ({error})") from None
-        if len(splits[split].classes) < 2:
-            raise UserError(f"imagefolder: {root} has {len(splits[split].classes)} class folder(s); "
-                            f"kNN and linear evaluation need at least 2")
-    train, val = splits["train"], splits["val"]
-    if train.classes != val.classes:
-        raise UserError(f"imagefolder: train/ and val/ have different class folders")
-    if args.limit_train:
-        train.samples = train.samples[:args.limit_train]
-        train.targets = train.targets[:args.limit_train]
-    labels = torch.tensor(train.targets).to(ctx.device)
-    stream = args.stream or len(train.samples) * 3 * size * size > STREAM_ABOVE_BYTES
-    if stream:
-        return Data(_TwoCrops(train.samples, size, args.crop_scale), labels, _Fixed(train.samples, size),
-                    _Fixed(val.samples, size), len(train.classes), size, mean, std, streaming=True)
-    decode = lambda samples: _decode_all(_Fixed(samples, size), args.workers, ctx.device)
-    return Data(decode(train.samples)[0], labels, decode(train.samples), decode(val.samples),
-                len(train.classes), size, mean, std)
+            raise UserError(f"imagefolder: {root} has no images in class folders ({error})") \
+                from None
+        if len(folders[split].classes) < 2:
+            raise UserError(f"imagefolder: {root} has {len(folders[split].classes)} class "
+                            f"folder(s); kNN and linear evaluation need at least 2")
+    if folders["train"].classes != folders["val"].classes:
+        raise UserError("imagefolder: train/ and val/ have different class folders")
+    train, val = folders["train"].samples[:args.limit_train], folders["val"].samples
+    labels = [torch.tensor([y for _, y in s], device=ctx.device) for s in (train, val)]
+    classes = len(folders["train"].classes)
+    if args.stream or not fits_on_device((len(train) + len(val)) * 3 * size * size, ctx):
+        streamed = Data(ImageFiles(train, size, crops, args.crop_scale), labels[0],
+                        ImageFiles(train, size), ImageFiles(val, size), classes, size, mean, std,
+                        streaming=True)
+        return check_size(streamed, args)
+    images = decode(train, size, args.workers, ctx)  # once: pre-training and kNN share it
+    val_images = decode(val, size, args.workers, ctx)
+    return check_size(Data(images, labels[0], (images, labels[0]), (val_images, labels[1]),
+                           classes, size, mean, std), args)
 
 
-class _Fixed(torch.utils.data.Dataset):
-    """Image file -> uint8 (3, S, S): shorter side resized to S, centre crop."""
+def fits_on_device(nbytes, ctx):
+    """Hold a decoded image folder on the device if it takes at most half of the free memory
+    there (CPU: of the free host memory, which this node's processes share)."""
+    if ctx.device.type == "cuda":
+        return nbytes <= torch.cuda.mem_get_info(ctx.device)[0] // 2
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return nbytes <= free // 2 // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
-    def __init__(self, samples, size):
-        import torchvision.transforms.v2 as T
-        self.samples = samples
-        self.transform = T.Compose([T.PILToTensor(), T.Resize(size, antialias=True), T.CenterCrop(size)])
+
+class ImageFiles(torch.utils.data.Dataset):
+    """(path, label) list -> uint8 (3, S, S), shorter side resized to S and centre-cropped; with
+    `crops`, uint8 (crops, 3, S, S) random resized crops and flips (the streaming train set:
+    cropping in the workers keeps full-size images off the device; colour runs there batched)."""
+
+    def __init__(self, samples, size, crops=0, scale=(0.08, 1.0)):
+        self.samples, self.crops, self.seed = samples, crops, 0
+        self.fixed = T.Compose([T.PILToTensor(), T.Resize(size, antialias=True),
+                                T.CenterCrop(size)])
+        self.random = T.Compose([T.PILToTensor(), T.RandomHorizontalFlip(),
+                                 T.RandomResizedCrop(size, tuple(scale), antialias=True)])
 
     def __len__(self):
         return len(self.samples)
 
     def __getitem__(self, i):
-        from PIL import Image
         path, label = self.samples[i]
-        with Image.open(path) as image:
-            return self.transform(image.convert("RGB")), label
+        try:
+            with Image.open(path) as image:
+                image = image.convert("RGB")
+        except OSError as error:  # PIL.UnidentifiedImageError is an OSError
+            raise UserError(f"unreadable image {path} ({type(error).__name__}); remove or "
+                            f"replace it") from None
+        if not self.crops:
+            return self.fixed(image), label
+        with torch.random.fork_rng(devices=[]):  # the crops depend on (epoch seed, image) only:
+            torch.manual_seed(self.seed + i)  # whichever rank or worker loads it, or a resumed run
+            return torch.stack([self.random(image) for _ in range(self.crops)]), label
 
 
-class _TwoCrops(_Fixed):
-    """Image file -> uint8 (2, 3, S, S): two random resized crops with flips (streaming path).
+def decode(samples, size, workers, ctx):
+    """Image files -> uint8 (N, 3, S, S) on the device: each rank decodes its share, then every
+    rank gathers the whole set."""
+    share = -(-len(samples) // ctx.world)
+    mine = ImageFiles(samples[ctx.rank * share:(ctx.rank + 1) * share], size)
+    try:
+        parts = [x for x, _ in torch.utils.data.DataLoader(mine, 256, num_workers=workers)]
+    except UserError as error:  # from a DataLoader worker: the message ends the worker's traceback
+        raise UserError(str(error).strip().splitlines()[-1].split("UserError: ")[-1]) from None
+    images = torch.cat(parts + [torch.zeros(share - len(mine), 3, size, size, dtype=torch.uint8)])
+    return gather(images.to(ctx.device))[:len(samples)]  # padded: all_gather needs equal shares
 
-    Cropping in the worker keeps full-resolution decoding off the device; the colour part of the
-    recipe then runs batched on the device like the in-memory path.
+
+def epoch_generators(seed, epoch, device):
+    """This epoch's two generators, from (seed, epoch), so that a resumed run draws what an
+    uninterrupted one would: data order and pairings on the CPU (CUDA's random kernels depend on
+    the GPU model), augmentation on the device."""
+    seed = 2 * (seed * 100003 + epoch)
+    return torch.Generator().manual_seed(seed), torch.Generator(device).manual_seed(seed + 1)
+
+
+def train_batches(data, batch_size, generator, ctx, workers=0):
+    """This rank's slice (batch_size / world images) of each global batch of one epoch.
+
+    The permutation comes from `generator` (CPU), seeded alike on every rank, so rank r takes rows
+    [r*b, (r+1)*b) of the global batch one process would take. Yields (images, labels): uint8
+    (b, 3, S, S) on the device, or (b, crops, 3, S, S) pre-cropped when streaming.
     """
-
-    def __init__(self, samples, size, scale):
-        import torchvision.transforms.v2 as T
-        self.samples = samples
-        self.transform = T.Compose([T.PILToTensor(), T.RandomResizedCrop(size, scale=tuple(scale), antialias=True),
-                                    T.RandomHorizontalFlip()])
-
-    def __getitem__(self, i):
-        from PIL import Image
-        path, label = self.samples[i]
-        with Image.open(path) as image:
-            image = image.convert("RGB")
-            return torch.stack([self.transform(image), self.transform(image)]), label
-
-
-def _decode_all(dataset, workers, device):
-    loader = torch.utils.data.DataLoader(dataset, batch_size=256, num_workers=workers)
-    images, labels = zip(*loader)
-    return torch.cat(images).to(device), torch.cat(labels).long().to(device)
-
-
-def train_batches(data, epoch, batch_size, generator, ctx, workers=0):
-    """Yield this rank's slice (B / world images) of each global batch of one epoch.
-
-    The permutation comes from `generator`, seeded the same on every rank, so rank r takes rows
-    [r*b, (r+1)*b) of the global batch that a single process would have taken whole.
-    On the device: uint8 (b, 3, S, S). Streaming: uint8 (b, 2, 3, S, S) pre-cropped views.
-    """
-    device = ctx.device
-    n = len(data)
-    perm = torch.randperm(n, generator=generator, device=generator.device).to(device)
-    per_rank = batch_size // ctx.world
-    steps = n // batch_size
+    b, steps = batch_size // ctx.world, len(data) // batch_size
+    perm = torch.randperm(len(data), generator=generator)[:steps * batch_size]
+    mine = perm.view(steps, ctx.world, b)[:, ctx.rank].flatten()  # (steps * b,)
     if not data.streaming:
+        mine = mine.to(ctx.device)
         for step in range(steps):
-            rows = perm[step * batch_size + ctx.rank * per_rank:][:per_rank]
+            rows = mine[step * b:(step + 1) * b]
             yield data.train[rows], data.train_labels[rows]
         return
-    mine = perm[:steps * batch_size].view(steps, ctx.world, per_rank)[:, ctx.rank].flatten().tolist()
-    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(data.train, mine), batch_size=per_rank,
-                                         num_workers=workers, pin_memory=device.type == "cuda",
-                                         persistent_workers=False, drop_last=True)
+    data.train.seed = int(torch.randint(2 ** 62, (1,), generator=generator))  # this epoch's crops
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(data.train, mine.tolist()), b,
+                                         num_workers=workers, pin_memory=ctx.device.type == "cuda")
     for views, labels in loader:
-        yield views.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-
-
-def steps_per_epoch(data, batch_size):
-    return len(data) // batch_size
-
-
-def epoch_generator(seed, epoch, device):
-    """One generator per epoch, so a resumed run draws exactly what an uninterrupted one would."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed * 100003 + epoch)
-    return generator
-
-
-def fit_batch_to_data(args, data, ctx):
-    """A data set smaller than one global batch: shrink the batch (and say so) rather than run 0 steps."""
-    if len(data) >= args.batch_size:
-        return
-    batch = len(data) // ctx.world * ctx.world
-    if batch // ctx.world < 2:
-        raise UserError(f"only {len(data)} training images: too few for {ctx.world} process(es)")
-    ctx.print(f"note: --batch-size {args.batch_size} is more than the {len(data)} training images; using {batch}")
-    args.batch_size = batch
+        yield views.to(ctx.device, non_blocking=True), labels.to(ctx.device, non_blocking=True)
 
 
 # ------------------------------------------------------------------------------ augmentation
@@ -680,22 +626,18 @@ class Recipe:
     solarize_p: float = 0.0
 
 
-GRAY = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale weights
-
-
 def grayscale(x):
-    """(B, 3, H, W) -> (B, 1, H, W) luma."""
+    """(B, 3, H, W) -> (B, 1, H, W) luma, with torchvision's weights."""
     r, g, b = x.unbind(1)
-    return (GRAY[0] * r + GRAY[1] * g + GRAY[2] * b).unsqueeze(1)
+    return (0.2989 * r + 0.587 * g + 0.114 * b).unsqueeze(1)
 
 
-def adjust_brightness(x, factor):  # factor: (B,)
+def adjust_brightness(x, factor):  # factor: (B,), one per image, as every op below
     return (x * factor.view(-1, 1, 1, 1)).clamp(0, 1)
 
 
 def adjust_contrast(x, factor):
-    mean = grayscale(x).mean(dim=(1, 2, 3), keepdim=True)
-    f = factor.view(-1, 1, 1, 1)
+    mean, f = grayscale(x).mean(dim=(1, 2, 3), keepdim=True), factor.view(-1, 1, 1, 1)
     return (f * x + (1 - f) * mean).clamp(0, 1)
 
 
@@ -705,24 +647,20 @@ def adjust_saturation(x, factor):
 
 
 def adjust_hue(x, shift):
-    """Rotate the hue by `shift` (B,) turns, through HSV, as torchvision does.
-
-    Hue in sextants h6 in [0, 6) from the channel holding the maximum v (ties give the same hue);
-    back to RGB, channel n in (R, G, B) = v - chroma * clamp(min(k, 4 - k), 0, 1), k = (n + h6) mod 6,
-    n = 5, 3, 1, with chroma = v - min = v * s: torchvision's round trip in fewer passes.
-    """
+    """Rotate the hue by `shift` (B,) turns through HSV, as torchvision does: hue h6 in [0, 6)
+    from the channel holding the maximum v; back to RGB, channel n of (R, G, B) is
+    v - chroma * clamp(min(k, 4 - k), 0, 1) with k = (n + h6) mod 6, n = 5, 3, 1."""
     r, g, b = x.unbind(1)
-    minimum, value = torch.aminmax(x, dim=1)  # (B, H, W) each, one pass
+    minimum, value = torch.aminmax(x, dim=1)  # (B, H, W) each
     chroma = value - minimum
     c = torch.where(chroma > 0, chroma, 1.0)
-    hue = torch.where(value == r, g - b,  # 6 * hue * c, as torchvision: red, then green, then blue
-                      torch.where(value == g, (b - r).add_(c, alpha=2), (r - g).add_(c, alpha=4))).div_(c)
-    hue = hue.add_(6 * shift.view(-1, 1, 1)).remainder_(6)  # (B, H, W) rotated, in [0, 6)
-    n = torch.tensor([5.0, 3.0, 1.0], device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
-    k = hue.unsqueeze(1) + n  # (B, 3, H, W) in [0, 12)
-    k = torch.where(k >= 6, k - 6, k)
-    ramp = torch.minimum(k, 4 - k).clamp_(0, 1)
-    return torch.addcmul(value.unsqueeze(1), chroma.unsqueeze(1), ramp, value=-1)
+    hue = torch.where(value == r, g - b,  # 6 * hue * c; ties: red, then green, then blue
+                      torch.where(value == g, b - r + 2 * c, r - g + 4 * c)) / c
+    hue = (hue + 6 * shift.view(-1, 1, 1)).remainder(6)  # (B, H, W) rotated, in [0, 6)
+    k = hue.unsqueeze(1) + torch.arange(5, 0, -2, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
+    k = torch.where(k >= 6, k - 6, k)  # (B, 3, H, W)
+    ramp = torch.minimum(k, 4 - k).clamp(0, 1)
+    return value.unsqueeze(1) - chroma.unsqueeze(1) * ramp
 
 
 def gaussian_blur(x, sigma, kernel_size):
@@ -732,7 +670,7 @@ def gaussian_blur(x, sigma, kernel_size):
     offsets = torch.arange(-radius, radius + 1, device=x.device, dtype=x.dtype)
     kernel = torch.exp(-0.5 * (offsets / sigma.view(-1, 1)) ** 2)
     kernel = (kernel / kernel.sum(1, keepdim=True)).repeat_interleave(C, 0)  # (B*C, K)
-    y = F.pad(x.reshape(1, B * C, H, W), (radius, radius, radius, radius), mode="reflect")
+    y = F.pad(x.reshape(1, B * C, H, W), (radius,) * 4, mode="reflect")
     y = F.conv2d(y, kernel.view(B * C, 1, 1, -1), groups=B * C)  # horizontal pass
     y = F.conv2d(y, kernel.view(B * C, 1, -1, 1), groups=B * C)  # vertical pass
     return y.view(B, C, H, W)
@@ -743,40 +681,32 @@ def solarize(x, threshold=0.5):
 
 
 def sample_crop_boxes(rand, n, height, width, scale, ratio, tries=10):
-    """RandomResizedCrop's box sampler, vectorised: returns top, left, h, w as (n,) float tensors.
-
-    Like torchvision: up to `tries` draws of (area, log-ratio), the first that fits wins, else a
-    centre crop with the ratio clamped into range. `rand(shape)` returns uniforms in [0, 1).
-    """
+    """RandomResizedCrop's box sampler, batched -> top, left, h, w as (n,) float tensors. As in
+    torchvision: of `tries` draws of (area, log-ratio) the first that fits wins, else a centre
+    crop with the ratio clamped into range. `rand(shape)` gives uniforms in [0, 1)."""
     area = height * width * (scale[0] + (scale[1] - scale[0]) * rand((n, tries)))
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
     aspect = torch.exp(log_lo + (log_hi - log_lo) * rand((n, tries)))
-    w = torch.round(torch.sqrt(area * aspect))
-    h = torch.round(torch.sqrt(area / aspect))
+    w, h = torch.round(torch.sqrt(area * aspect)), torch.round(torch.sqrt(area / aspect))
     fits = (w > 0) & (h > 0) & (w <= width) & (h <= height)
-    first = fits.float().argmax(1, keepdim=True)  # index of the first fitting draw
+    first = fits.float().argmax(1, keepdim=True)  # the first draw that fits
     w, h, found = w.gather(1, first)[:, 0], h.gather(1, first)[:, 0], fits.any(1)
-    # fallback: the whole image, cut to the nearest allowed aspect ratio
+    fw, fh = width, height  # the fallback: the whole image, cut to the nearest allowed ratio
     if width / height < ratio[0]:
-        fw, fh = width, round(width / ratio[0])
+        fh = round(width / ratio[0])
     elif width / height > ratio[1]:
-        fw, fh = round(height * ratio[1]), height
-    else:
-        fw, fh = width, height
-    w = torch.where(found, w, torch.full_like(w, fw))
-    h = torch.where(found, h, torch.full_like(h, fh))
+        fw = round(height * ratio[1])
+    w, h = torch.where(found, w, float(fw)), torch.where(found, h, float(fh))
     u, v = rand((n,)), rand((n,))
-    top = torch.where(found, torch.floor(u * (height - h + 1)), torch.floor((height - h) / 2 + 0 * u))
-    left = torch.where(found, torch.floor(v * (width - w + 1)), torch.floor((width - w) / 2 + 0 * v))
+    top = torch.where(found, torch.floor(u * (height - h + 1)), torch.floor((height - h) / 2))
+    left = torch.where(found, torch.floor(v * (width - w + 1)), torch.floor((width - w) / 2))
     return top, left, h, w
 
 
 def resized_crop_flip(x, top, left, h, w, flip, size):
-    """Crop box (per sample), resize to `size` bilinearly and mirror where `flip`, in one grid_sample.
-
-    The affine map sends the output's [-1, 1] square onto the box; with align_corners=False this
-    samples exactly where torchvision's resized_crop (bilinear, no antialias) samples.
-    """
+    """Crop each sample's box, resize it to `size` bilinearly and mirror it where `flip`, in one
+    grid_sample. The affine map sends the output's [-1, 1] square onto the box; with
+    align_corners=False it samples where torchvision's resized_crop (no antialias) samples."""
     B, _, H, W = x.shape
     theta = torch.zeros(B, 2, 3, device=x.device, dtype=x.dtype)
     theta[:, 0, 0] = torch.where(flip, -w / W, w / W)
@@ -787,223 +717,201 @@ def resized_crop_flip(x, top, left, h, w, flip, size):
     return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
 
+def normalize(x, mean, std):
+    """Images in [0, 1] (B, 3, H, W) -> standardised per channel (channels_last on CUDA)."""
+    mean = torch.as_tensor(mean, device=x.device).view(1, 3, 1, 1)
+    x = (x - mean) / torch.as_tensor(std, device=x.device).view(1, 3, 1, 1)
+    return x.contiguous(memory_format=torch.channels_last) if x.is_cuda else x
+
+
 class Augment:
-    """Batched augmentation on the device with per-sample random parameters, one recipe per view.
+    """Batched augmentation on the device with per-sample random parameters, a recipe per view.
 
     Parameters are drawn for the whole global batch from a generator seeded alike on every rank,
-    and each rank keeps its own rows: N processes augment exactly as one process would.
-    (torchvision.transforms.v2 on a batch draws one set of parameters for the whole batch.)
-    Colour jitter runs in the fixed order brightness, contrast, saturation, hue.
+    and each rank keeps its rows: N processes augment exactly as one does. (transforms.v2 on a
+    batch draws one set of parameters for the whole batch.) Colour jitter runs in the fixed
+    order brightness, contrast, saturation, hue.
     """
 
     def __init__(self, recipes, size, mean, std, ctx):
         self.recipes, self.size, self.ctx = recipes, size, ctx
-        self.mean = torch.tensor(mean, device=ctx.device).view(1, 3, 1, 1)
-        self.std = torch.tensor(std, device=ctx.device).view(1, 3, 1, 1)
+        self.mean, self.std = (torch.tensor(t, device=ctx.device) for t in (mean, std))
 
     def __call__(self, x, generator):
-        """uint8 (b, 3, H, W), or (b, V, 3, S, S) pre-cropped -> list of V normalised float views."""
-        views = []
-        for v, recipe in enumerate(self.recipes):
-            image = x[:, v] if x.dim() == 5 else x
-            views.append(self.view(image, recipe, generator, crop=x.dim() == 4))
-        return views
-
-    def rand(self, generator, b):
-        """uniform(shape) for the global batch; this rank's rows."""
-        start = self.ctx.rank * b
-
-        def draw(shape):
-            shape = (shape,) if isinstance(shape, int) else shape
-            full = torch.rand((b * self.ctx.world,) + tuple(shape[1:]), generator=generator,
-                              device=generator.device)
-            return full[start:start + b].to(self.ctx.device)
-        return draw
+        """uint8 (b, 3, H, W), or (b, V, 3, S, S) pre-cropped -> list of V normalised views."""
+        return [self.view(x[:, v] if x.dim() == 5 else x, recipe, generator, crop=x.dim() == 4)
+                for v, recipe in enumerate(self.recipes)]
 
     def view(self, image, r, generator, crop=True):
-        b = image.shape[0]
-        rand = self.rand(generator, b)
+        b, start = image.shape[0], self.ctx.rank * image.shape[0]
+
+        def rand(shape):  # uniforms for the global batch; this rank's rows
+            shape = (b * self.ctx.world,) + ((shape,) if isinstance(shape, int) else shape)[1:]
+            full = torch.rand(shape, generator=generator, device=generator.device)
+            return full[start:start + b].to(self.ctx.device)
+
+        def where(p, y, x):  # y for the samples drawn with probability p, else x
+            return torch.where((rand(b) < p).view(-1, 1, 1, 1), y, x)
+
         x = image.float() / 255
         if crop:
-            top, left, h, w = sample_crop_boxes(rand, b, x.shape[2], x.shape[3], r.crop_scale, r.crop_ratio)
-            x = resized_crop_flip(x, top, left, h, w, rand(b) < r.flip_p, self.size)
+            box = sample_crop_boxes(rand, b, x.shape[2], x.shape[3], r.crop_scale, r.crop_ratio)
+            x = resized_crop_flip(x, *box, rand(b) < r.flip_p, self.size)
         bright, contrast, sat, hue = r.jitter
-        jitter = (rand(b) < r.jitter_p).view(-1, 1, 1, 1)
         if any(r.jitter):
+            jitter = rand(b) < r.jitter_p
             y = adjust_brightness(x, 1 - bright + 2 * bright * rand(b))
             y = adjust_contrast(y, 1 - contrast + 2 * contrast * rand(b))
             y = adjust_saturation(y, 1 - sat + 2 * sat * rand(b))
-            if hue > 0:
-                y = adjust_hue(y, hue * (2 * rand(b) - 1))
-            x = torch.where(jitter, y, x)
+            y = adjust_hue(y, hue * (2 * rand(b) - 1)) if hue > 0 else y
+            x = torch.where(jitter.view(-1, 1, 1, 1), y, x)
         if r.gray_p > 0:
-            x = torch.where((rand(b) < r.gray_p).view(-1, 1, 1, 1), grayscale(x).expand_as(x), x)
+            x = where(r.gray_p, grayscale(x).expand_as(x), x)
         if r.blur_p > 0:
             sigma = r.blur_sigma[0] + (r.blur_sigma[1] - r.blur_sigma[0]) * rand(b)
             kernel = (self.size // 10) | 1  # odd, about 10% of the image (SimCLR's 23 px at 224)
-            x = torch.where((rand(b) < r.blur_p).view(-1, 1, 1, 1), gaussian_blur(x, sigma, kernel), x)
+            x = where(r.blur_p, gaussian_blur(x, sigma, kernel), x)
         if r.solarize_p > 0:
-            x = torch.where((rand(b) < r.solarize_p).view(-1, 1, 1, 1), solarize(x), x)
-        x = (x - self.mean) / self.std
-        if self.ctx.device.type == "cuda":
-            x = x.contiguous(memory_format=torch.channels_last)
-        return x
+            x = where(r.solarize_p, solarize(x), x)
+        return normalize(x, self.mean, self.std)
 
 
 # ------------------------------------------------------------------------------ evaluation
 
-def eval_batches(split, ctx, batch_size=512, workers=0):
-    """This rank's contiguous share of an eval split as (uint8 images, labels) batches."""
-    if isinstance(split, tuple):
-        images, labels = split
-        n = len(labels)
-    else:
-        n = len(split)
-    share = -(-n // ctx.world)
-    start, stop = min(ctx.rank * share, n), min((ctx.rank + 1) * share, n)
-    if isinstance(split, tuple):
-        for i in range(start, stop, batch_size):
-            yield images[i:min(i + batch_size, stop)], labels[i:min(i + batch_size, stop)]
-        return
-    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(split, range(start, stop)),
-                                         batch_size=batch_size, num_workers=workers)
-    for images, labels in loader:
-        yield images.to(ctx.device), labels.to(ctx.device)
-
-
 @torch.no_grad()
-def extract_features(backbone, split, data, ctx, workers=0):
-    """L2-normalised backbone features of un-augmented images, ranks sharing the work -> (N, F), (N,)."""
-    was_training = backbone.training
+def extract_features(backbone, split, data, ctx, workers=0, unit=True):
+    """Backbone features (L2-normalised if `unit`) of un-augmented images, ranks sharing the work,
+    gathered on every rank -> (N', F), (N',), N' = world * ceil(N / world), padding labelled -1.
+    float16 on CUDA (ImageNet: 1.28M x 2048 x 2 bytes = 5.2 GB on every rank), float32 on CPU."""
+    was_training, device = backbone.training, ctx.device
     backbone.eval()
-    mean = torch.tensor(data.mean, device=ctx.device).view(1, 3, 1, 1)
-    std = torch.tensor(data.std, device=ctx.device).view(1, 3, 1, 1)
-    features, labels = [], []
-    for images, y in eval_batches(split, ctx, workers=workers):
-        x = (images.float() / 255 - mean) / std
-        if ctx.device.type == "cuda":
-            x = x.contiguous(memory_format=torch.channels_last)
-        with ctx.autocast():
-            features.append(F.normalize(backbone(x).float(), dim=1))
-        labels.append(y)
-    backbone.train(was_training)
     n = len(split[1]) if isinstance(split, tuple) else len(split)
     share = -(-n // ctx.world)
-    dim = backbone.out_dim
-    f = torch.cat(features) if features else torch.zeros(0, dim, device=ctx.device)
-    y = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long, device=ctx.device)
-    pad = share - len(y)  # all_gather needs equal shares
-    f = torch.cat([f, f.new_zeros(pad, dim)])
-    y = torch.cat([y, y.new_full((pad,), -1)])
-    f, y = gather(f), gather(y)
-    keep = y.new_zeros(len(y), dtype=torch.bool)
-    for r in range(ctx.world):  # drop the padding rows of each rank
-        keep[r * share:r * share + min(share, max(0, n - r * share))] = True
-    return f[keep], y[keep]
+    mine = range(min(ctx.rank * share, n), min((ctx.rank + 1) * share, n))
+    if isinstance(split, tuple):
+        batches = ((split[0][i:min(i + 256, mine.stop)], split[1][i:min(i + 256, mine.stop)])
+                   for i in range(mine.start, mine.stop, 256))
+    else:
+        batches = torch.utils.data.DataLoader(torch.utils.data.Subset(split, mine), 256,
+                                              num_workers=workers)
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    features = torch.zeros(share, backbone.out_dim, dtype=dtype, device=device)
+    labels = torch.full((share,), -1, dtype=torch.long, device=device)
+    done = 0
+    for images, y in batches:
+        with ctx.autocast():
+            f = backbone(normalize(images.to(device).float() / 255, data.mean, data.std)).float()
+        features[done:done + len(y)] = F.normalize(f, dim=1) if unit else f
+        labels[done:done + len(y)] = y
+        done += len(y)
+    backbone.train(was_training)
+    return gather(features), gather(labels)
 
 
 @torch.no_grad()
 def knn_accuracy(train_f, train_y, test_f, test_y, num_classes, k=200, t=0.1, ctx=None):
     """Weighted kNN (InstDisc / MoCo monitor): the k most cosine-similar training features vote
-    with weight exp(sim / t). Features must be L2-normalised. Ranks split the test set. -> top-1 %."""
-    keep = train_y >= 0
-    train_f, train_y = train_f[keep], train_y[keep]
-    k = min(k, len(train_y))
+    with weight exp(sim / t). Features L2-normalised; rows labelled -1 take no part; ranks split
+    the test set -> top-1 %."""
     world, rank = (ctx.world, ctx.rank) if ctx else (1, 0)
-    share = -(-len(test_y) // world)
+    k, unlabelled, share = min(k, int((train_y >= 0).sum())), train_y < 0, -(-len(test_y) // world)
     correct = torch.zeros((), device=test_f.device)
-    for i in range(rank * share, min((rank + 1) * share, len(test_y)), 1024):
-        stop = min(i + 1024, (rank + 1) * share, len(test_y))
-        sim, idx = (test_f[i:stop] @ train_f.T).topk(k, dim=1)  # (b, k)
+    for i in range(rank * share, min((rank + 1) * share, len(test_y)), 256):
+        stop = min(i + 256, (rank + 1) * share, len(test_y))
+        sim = (test_f[i:stop] @ train_f.T).float().masked_fill_(unlabelled, -math.inf)  # (b, N)
+        sim, idx = sim.topk(k, dim=1)  # (b, k)
         votes = torch.zeros(stop - i, num_classes, device=test_f.device)
         votes.scatter_add_(1, train_y[idx], torch.exp(sim / t))
         correct += (votes.argmax(1) == test_y[i:stop]).sum()
-    return 100.0 * all_reduce_sum(correct).item() / len(test_y)
+    return 100.0 * all_reduce_sum(correct).item() / int((test_y >= 0).sum())
 
 
-def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed=0, batch_size=256):
-    """Linear classifier on frozen features (standardised), AdamW + cosine; -> test top-1 %.
-
-    Every rank computes the same thing from the same features, so nothing needs reducing.
-    """
-    keep = train_y >= 0
-    train_f, train_y = train_f[keep].float(), train_y[keep]
-    mean, std = train_f.mean(0), train_f.std(0) + 1e-6
-    train_f, test_f = (train_f - mean) / std, (test_f.float() - mean) / std
-    generator = torch.Generator(device=train_f.device).manual_seed(seed)
-    torch.manual_seed(seed)
+def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed=0, batch=256):
+    """A linear classifier on frozen features standardised with the training set's mean and std,
+    AdamW + cosine -> test top-1 %. Every rank computes the same from the same features."""
+    rows, test_rows = (train_y >= 0).nonzero()[:, 0], (test_y >= 0).nonzero()[:, 0]
+    total = 0
+    for r in rows.split(65536):  # in chunks: no float32 copy of a float16 bank
+        f = train_f[r].float()
+        total = total + torch.stack([f.sum(0), (f * f).sum(0)])
+    mean = total[0] / len(rows)
+    std = (total[1] / len(rows) - mean ** 2).clamp_min(0).sqrt() + 1e-6
     classifier = nn.Linear(train_f.shape[1], num_classes).to(train_f.device)
+    nn.init.zeros_(classifier.weight)  # a convex problem: a zero start, no random draw
     optimizer = torch.optim.AdamW(classifier.parameters(), lr=1e-3, weight_decay=5e-4)
-    steps = max(1, epochs * math.ceil(len(train_y) / batch_size))
+    steps = epochs * -(-len(rows) // batch)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    generator = torch.Generator(device=train_f.device).manual_seed(seed)
     for _ in range(epochs):
-        perm = torch.randperm(len(train_y), generator=generator, device=train_f.device)
-        for i in range(0, len(perm), batch_size):
-            rows = perm[i:i + batch_size]
-            loss = F.cross_entropy(classifier(train_f[rows]), train_y[rows])
+        perm = rows[torch.randperm(len(rows), generator=generator, device=rows.device)]
+        for i in range(0, len(perm), batch):
+            x = (train_f[perm[i:i + batch]].float() - mean) / std
+            loss = F.cross_entropy(classifier(x), train_y[perm[i:i + batch]])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             schedule.step()
     with torch.no_grad():
-        return 100.0 * (classifier(test_f).argmax(1) == test_y).float().mean().item()
+        predict = lambda r: classifier((test_f[r].float() - mean) / std).argmax(1)  # noqa: E731
+        correct = sum(int((predict(r) == test_y[r]).sum()) for r in test_rows.split(65536))
+    return 100.0 * correct / len(test_rows)
 
 
-def linear_probe_augmented(backbone, data, ctx, epochs=100, batch_size=256, seed=0):
-    """The slower protocol: a linear layer on the frozen backbone, trained on crop+flip views."""
+def linear_probe_augmented(backbone, data, ctx, epochs=90, lr=30.0, seed=0, batch=256):
+    """The probe of MoCo's and SimSiam's main_lincls.py, which GSG uses: a linear layer on the
+    frozen backbone, trained on crop+flip views, SGD momentum 0.9, no weight decay, cosine."""
     if data.streaming:
-        raise UserError("--linear-aug needs a data set held on the device (not --stream)")
+        raise UserError("--linear-aug needs the data set held on the device (not --stream)")
     images, labels = data.eval_train
-    keep = labels >= 0
-    images, labels = images[keep], labels[keep]
+    rows = (labels >= 0).nonzero()[:, 0].cpu()
     backbone.eval()
     classifier = nn.Linear(backbone.out_dim, data.num_classes).to(ctx.device)
-    optimizer = torch.optim.SGD(classifier.parameters(), lr=0.1 * batch_size / 256, momentum=0.9)
-    augment = Augment([Recipe(jitter=(0, 0, 0, 0), jitter_p=0, gray_p=0)], data.image_size, data.mean, data.std, ctx)
-    per_rank = max(1, batch_size // ctx.world)
-    steps = max(1, len(labels) // (per_rank * ctx.world))
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * steps)
+    nn.init.zeros_(classifier.weight)
+    optimizer = torch.optim.SGD(classifier.parameters(), lr=lr * batch / 256, momentum=0.9)
+    augment = Augment([Recipe(jitter=(0, 0, 0, 0), gray_p=0)], data.image_size, data.mean,
+                      data.std, ctx)
+    b, steps = batch // ctx.world, len(rows) // batch
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(1, epochs * steps))
     for epoch in range(epochs):
-        generator = epoch_generator(seed + 1, epoch, ctx.device)
-        data_view = Data(images, labels, None, None, data.num_classes, data.image_size, data.mean, data.std)
-        for x, y in train_batches(data_view, epoch, per_rank * ctx.world, generator, ctx):
+        order, generator = epoch_generators(seed + 1, epoch, ctx.device)
+        order = rows[torch.randperm(len(rows), generator=order)]
+        for step in range(steps):
+            mine = order[step * batch + ctx.rank * b:][:b].to(ctx.device)
             with torch.no_grad(), ctx.autocast():
-                features = backbone(augment(x, generator)[0]).float()
-            loss = F.cross_entropy(classifier(features), y)
+                features = backbone(augment(images[mine], generator)[0])
+            loss = F.cross_entropy(classifier(features.float()), labels[mine])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            for p in classifier.parameters():  # average the classifier's gradient across ranks
+            for p in classifier.parameters():  # the mean gradient over the global batch
                 p.grad = all_reduce_sum(p.grad) / ctx.world
             optimizer.step()
             schedule.step()
-    correct, total = torch.zeros((), device=ctx.device), torch.zeros((), device=ctx.device)
-    with torch.no_grad():
-        for x, y in eval_batches(data.eval_test, ctx):
-            x = (x.float() / 255 - augment.mean) / augment.std
-            with ctx.autocast():
-                correct += (classifier(backbone(x).float()).argmax(1) == y).sum()
-            total += len(y)
-    return 100.0 * all_reduce_sum(correct).item() / all_reduce_sum(total).item()
+    test_f, test_y = extract_features(backbone, data.eval_test, data, ctx, unit=False)
+    with torch.no_grad():  # features as in training: bf16 backbone, float32 classifier
+        correct = (classifier(test_f.float()).argmax(1) == test_y).sum()
+    return 100.0 * int(correct) / int((test_y >= 0).sum())
 
 
 def evaluate(backbone, data, ctx, args, final=False):
-    """kNN top-1 (k = --knn-k) every monitor epoch; at the end also k=1 and the linear probe."""
+    """kNN top-1 (k = --knn-k); with `final` also k=1 and the linear probe (--linear-epochs)."""
     train_f, train_y = extract_features(backbone, data.eval_train, data, ctx, args.workers)
     test_f, test_y = extract_features(backbone, data.eval_test, data, ctx, args.workers)
-    result = {"knn_top1": knn_accuracy(train_f, train_y, test_f, test_y, data.num_classes, args.knn_k, args.knn_t, ctx)}
+    knn = lambda k: knn_accuracy(train_f, train_y, test_f, test_y, data.num_classes, k,  # noqa
+                                 args.knn_t, ctx)
+    result = {"knn_top1": knn(args.knn_k)}
     if final:
-        result["knn_k"] = args.knn_k
-        result["knn_k1_top1"] = knn_accuracy(train_f, train_y, test_f, test_y, data.num_classes, 1, args.knn_t, ctx)
-        if args.linear_epochs > 0:
-            if args.linear_aug:
-                result["linear_top1"] = linear_probe_augmented(backbone, data, ctx, args.linear_epochs, seed=args.seed)
-            else:
-                result["linear_top1"] = linear_probe(train_f, train_y, test_f, test_y, data.num_classes,
-                                                     args.linear_epochs, args.seed)
+        result.update(knn_k=args.knn_k, knn_k1_top1=knn(1))
+        if args.linear_epochs and args.linear_aug:
+            result["linear_top1"] = linear_probe_augmented(backbone, data, ctx, args.linear_epochs,
+                                                           args.linear_lr, args.seed)
+        elif args.linear_epochs:
+            result["linear_top1"] = linear_probe(train_f, train_y, test_f, test_y,
+                                                 data.num_classes, args.linear_epochs, args.seed)
+        result["linear_protocol"] = "augmented SGD" if args.linear_aug else "fixed features AdamW"
     return result
 
 
-# ------------------------------------------------------------------------------ schedule, logging
+# ------------------------------------------------------------------------------ training loop
 
 def learning_rate(step, total_steps, warmup_steps, peak, schedule="cosine"):
     """Linear warm-up to `peak`, then cosine decay to 0 (or constant)."""
@@ -1016,135 +924,129 @@ def learning_rate(step, total_steps, warmup_steps, peak, schedule="cosine"):
 
 
 class EpochMeter:
-    """Progress bar and per-epoch means, without a host sync per step.
-
-    Scalars are summed on the device; every `every` steps one sync refreshes the bar (loss, lr,
-    images/s) and checks the loss is finite on every rank.
-    """
+    """Progress bar and per-epoch means of the step's scalars, summed on the device: one host
+    sync every `every` steps, to show this rank's loss, the lr and images/s."""
 
     def __init__(self, ctx, epoch, epochs, steps, images_per_step, every=20):
-        self.ctx, self.epoch, self.every, self.images_per_step = ctx, epoch, every, images_per_step
-        self.sums, self.steps, self.lr = {}, 0, 0.0
+        self.ctx, self.every, self.images_per_step = ctx, every, images_per_step
+        self.sums, self.steps, self.lr, self.shown = {}, 0, 0.0, 0
+        self.record = {"epoch": epoch + 1}
         self.bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{epochs}", disable=not ctx.is_main,
                         dynamic_ncols=True, leave=False)
         self.start = self.last = time.perf_counter()
-        self.last_steps = 0
 
     def update(self, lr, **scalars):
-        self.steps += 1
-        self.lr = lr
+        self.steps, self.lr = self.steps + 1, lr
         for name, value in scalars.items():
-            value = value.detach().float()
-            self.sums[name] = self.sums[name] + value if name in self.sums else value
+            self.sums[name] = self.sums.get(name, 0) + value.detach().float()
         if self.steps % self.every == 0:
-            self.refresh()
-
-    def refresh(self):
-        loss = all_reduce_sum(self.sums["loss"]).item() / (self.steps * self.ctx.world)
-        if not math.isfinite(loss):
-            self.bar.close()
-            raise UserError(f"loss became {loss} in epoch {self.epoch + 1}, step {self.steps}; the last "
-                            f"good checkpoint is kept; lower --lr, or try --no-amp")
-        now = time.perf_counter()
-        rate = (self.steps - self.last_steps) * self.images_per_step / (now - self.last)
-        self.last, self.last_steps = now, self.steps
-        self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{self.lr:.4g}", img_s=f"{rate:.0f}")
-        self.bar.update(self.steps - self.bar.n)
+            now = time.perf_counter()
+            rate = (self.steps - self.shown) * self.images_per_step / (now - self.last)
+            self.last, self.shown = now, self.steps
+            loss = self.sums["loss"].item() / self.steps
+            self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.4g}", img_s=f"{rate:.0f}")
+            self.bar.update(self.steps - self.bar.n)
 
     def summary(self):
-        """Means over steps and ranks of every scalar, plus lr and images/s; closes the bar."""
-        self.refresh()
+        """Means over steps and ranks of every scalar, with lr and images/s; closes the bar."""
         self.bar.close()
         seconds = time.perf_counter() - self.start
-        record = {"epoch": self.epoch + 1}
         for name, total in self.sums.items():
-            record[name] = all_reduce_sum(total).item() / (self.steps * self.ctx.world)
-        record.update(lr=self.lr, images_per_s=self.steps * self.images_per_step / seconds, seconds=seconds)
-        return record
+            self.record[name] = all_reduce_sum(total).item() / (self.steps * self.ctx.world)
+        self.record.update(lr=self.lr, images_per_s=self.steps * self.images_per_step / seconds,
+                           seconds=seconds)
+        return self.record
+
+
+def check_finite(record):
+    """Stop, before the epoch is saved, if its mean loss is NaN or infinite."""
+    if not math.isfinite(record["loss"]):
+        raise UserError(f"loss became {record['loss']} in epoch {record['epoch']}; the last good "
+                        f"checkpoint is kept; lower --lr, or try --no-amp")
 
 
 def log_epoch(ctx, record):
     """Append one JSON line to metrics.jsonl and print it (rank 0)."""
-    if not ctx.is_main:
+    if ctx.is_main:
+        with open(os.path.join(ctx.out, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        ctx.print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                            for k, v in record.items()))
+
+
+# ------------------------------------------------------------------------------ run folder
+
+def start_run(args, ctx, script):
+    """Create the run folder and its config.json (a resumed run keeps its own). Called once the
+    data and the model are ready, so that a run that fails to start leaves nothing behind."""
+    if not ctx.is_main or args.resume:
         return
-    with open(os.path.join(ctx.out, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
-    ctx.print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
+    os.makedirs(ctx.out, exist_ok=True)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        commit = None
+    config = {"script": script, "args": vars(args), "world_size": ctx.world, "command": sys.argv,
+              "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                           "git_commit": commit or None}}
+    with open(os.path.join(ctx.out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
 
-
-# ------------------------------------------------------------------------------ checkpoints
 
 def save_atomic(obj, path):
     """torch.save to a temp file, then os.replace: a crash mid-save never leaves a broken file."""
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 
-def save_checkpoint(ctx, state):
+def save_checkpoint(ctx, epoch, states):
+    """checkpoint.pt: the epochs done and each named state_dict (model, optimizer, queue, ...)."""
     if ctx.is_main:
-        save_atomic(dict(state, script=ctx.script), os.path.join(ctx.out, "checkpoint.pt"))
+        state = {name: s.state_dict() for name, s in states.items() if s is not None}
+        save_atomic({"epoch": epoch, **state}, os.path.join(ctx.out, "checkpoint.pt"))
 
 
-def load_checkpoint(path):
+def load_checkpoint(ctx, states):
+    """Load each named state from the run folder's checkpoint.pt -> the epoch to continue from."""
+    path = os.path.join(ctx.out, "checkpoint.pt")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
-        raise UserError(f"checkpoint {path} is unreadable ({type(error).__name__}); it is truncated or "
-                        f"not from this project: delete it or start a new --out") from None
-    if not isinstance(checkpoint, dict) or not {"args", "epoch", "model"} <= checkpoint.keys():
-        raise UserError(f"checkpoint {path} is not a checkpoint of this project")
-    return checkpoint
-
-
-def restore(module, state_dict, what, path="checkpoint"):
-    """load_state_dict, turning a mismatch (other method, width, arch) into a UserError."""
-    try:
-        module.load_state_dict(state_dict)
-    except (RuntimeError, KeyError, ValueError) as error:
-        detail = " ".join(str(error).split())[:160]
-        raise UserError(f"{path}: the saved {what} does not fit this model, so the run was made with other "
-                        f"model options ({detail}); start a new --out") from None
-
-
-def resume(args, ctx, **states):
-    """With --resume, load each named state (model=..., optimizer=..., queue=...) from the checkpoint
-    and return the epoch to start from; 0 for a new run. None states are skipped."""
-    checkpoint, args.checkpoint = args.checkpoint, None
-    if checkpoint is None:
-        return 0
+        raise UserError(f"{path} is unreadable ({type(error).__name__}): it is truncated or not "
+                        f"from this project; start a new --out") from None
     for name, state in states.items():
-        if state is not None:
-            if name not in checkpoint:
-                raise UserError(f"--resume {args.resume}: the checkpoint has no {name}; start a new --out")
-            restore(state, checkpoint[name], name.replace("_", " "))
-    ctx.print(f"resumed from {ctx.out} at epoch {checkpoint['epoch']}")
+        # an optimizer keeps this run's fused/foreach choice, not the saving machine's
+        groups = getattr(state, "param_groups", [])
+        flags = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in groups]
+        try:
+            state is None or state.load_state_dict(checkpoint[name])
+        except (RuntimeError, KeyError, ValueError) as error:
+            detail = " ".join(str(error).split())[:160]
+            raise UserError(f"{path}: the saved {name} does not fit this model ({detail}); "
+                            f"start a new --out") from None
+        for group, flag in zip(getattr(state, "param_groups", []), flags):
+            group.update(flag)
+    ctx.print(f"resumed {ctx.out} at epoch {checkpoint['epoch']}")
     return checkpoint["epoch"]
 
 
-def end_epoch(ctx, args, epoch, record, backbone, data, saved_args, **states):
-    """Close an epoch: kNN monitor when due, one metrics line, the checkpoint (arguments, epoch and
-    every named state). Returns True when --stop-after ends this process here."""
-    if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
-        record.update(evaluate(backbone, data, ctx, args))
-    log_epoch(ctx, record)
-    save_checkpoint(ctx, {"args": saved_args, "epoch": epoch + 1,
-                          **{name: state.state_dict() for name, state in states.items() if state is not None}})
-    if args.stop_after and args.stop_after <= epoch + 1 < args.epochs:
-        ctx.print(f"stopped after epoch {epoch + 1} (--stop-after); continue with --resume {ctx.out}")
-        return True
-    return False
-
-
 def finish(ctx, backbone, results):
-    """Write backbone.pt and results.json (rank 0) and print the final accuracies."""
-    if ctx.is_main:
-        save_atomic(backbone.state_dict(), os.path.join(ctx.out, "backbone.pt"))
-        with open(os.path.join(ctx.out, "results.json"), "w") as f:
-            json.dump(results, f, indent=2)
-        line = (f"final kNN top-1 (k={results['knn_k']}): {results['knn_top1']:.2f}%  "
-                f"kNN top-1 (k=1): {results['knn_k1_top1']:.2f}%")
-        if "linear_top1" in results:
-            line += f"  linear probe top-1: {results['linear_top1']:.2f}%"
-        ctx.print(line)
-        ctx.print(f"run folder: {ctx.out}")
+    """backbone.pt (CPU tensors, torchvision's names) and results.json, printing the accuracies.
+    A finished run resumed with other evaluation options writes eval-<time>.json beside them."""
+    if not ctx.is_main:
+        return
+    name = "results.json"
+    if os.path.exists(os.path.join(ctx.out, name)):
+        name = time.strftime("eval-%Y%m%d-%H%M%S.json")
+    else:
+        weights = {k: v.cpu() for k, v in backbone.state_dict().items()}
+        save_atomic(weights, os.path.join(ctx.out, "backbone.pt"))
+    with open(os.path.join(ctx.out, name), "w") as f:
+        json.dump(results, f, indent=2)
+    line = (f"final kNN top-1 (k={results['knn_k']}): {results['knn_top1']:.2f}%  "
+            f"kNN top-1 (k=1): {results['knn_k1_top1']:.2f}%")
+    if "linear_top1" in results:
+        line += f"  linear probe top-1: {results['linear_top1']:.2f}%"
+    ctx.print(f"{line}\nwritten to {os.path.join(ctx.out, name)}")
+

@@ -1,14 +1,15 @@
 """SimCLR with the InfoNCE, DCL or DCLW loss.
 
-Paper: Yeh et al., "Decoupled Contrastive Learning", ECCV 2022 (Prop. / Eq. numbers are the paper's).
-Two augmented views of every image pass through a ResNet and an MLP projector; each view must pick
-its partner among the 2N-1 other views of the global batch. InfoNCE's gradient carries the
+Paper: Yeh et al., "Decoupled Contrastive Learning" (DCL), ECCV 2022.
+Two views of every image go through a ResNet and an MLP projector, and each view must pick its
+partner among the 2N-1 other views of the global batch. InfoNCE's gradient carries the
 negative-positive coupling multiplier q_B (Prop. 1); DCL drops the positive from the denominator,
 which removes q_B (Prop. 2); DCLW also up-weights hard positive pairs.
 
     python simclr_dcl.py --loss dclw                        # one GPU, CIFAR-10 downloaded to ./data
     torchrun --nproc_per_node=8 simclr_dcl.py --loss dclw   # 8 GPUs, same global batch of 256
-    python simclr_dcl.py --dataset imagefolder --data-dir D --width 8 --epochs 2 --device cpu  # CPU smoke run
+    python simclr_dcl.py --dataset imagefolder --data-dir D --image-size 32 \\
+        --batch-size 32 --width 8 --epochs 2 --device cpu  # CPU smoke run
 """
 import argparse
 import math
@@ -18,21 +19,33 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
-from common import all_reduce_sum, gather_with_grad, logsumexp_rows
+from common import all_reduce_sum, gather, gather_with_grad
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
     common.add_common_args(parser)
     parser.add_argument("--loss", choices=["infonce", "dcl", "dclw"], default="dcl",
-                        help="infonce = SimCLR, dcl = DCL Prop. 2, dclw = DCL with the vMF positive weight")
+                        help="infonce = SimCLR, dcl = DCL Prop. 2, dclw = DCL with the vMF weight")
+    # tau 0.1: the default of SimCLR's official tf2/run.py (google-research/simclr) and of lightly's
+    # DCLLoss; sigma 0.5: lightly's DCLWLoss default (lightly/loss/dcl_loss.py, third-party)
     parser.add_argument("--temperature", type=common.positive_float, default=0.1, help="tau")
-    parser.add_argument("--sigma", type=common.positive_float, default=0.5, help="DCLW weight temperature")
-    parser.add_argument("--proj-hidden", type=common.positive_int, default=2048, help="projector hidden width")
-    parser.add_argument("--proj-dim", type=common.positive_int, default=128, help="projection dimension D")
-    # SimCLR / DCL CIFAR setting: batch 256, 200 epochs, SGD lr 0.06 per 256, wd 5e-4
-    parser.set_defaults(batch_size=256, epochs=200, lr=0.06, wd=5e-4, warmup_epochs=10, crop_scale=(0.08, 1.0))
-    return common.parse_args(parser, argv)
+    parser.add_argument("--sigma", type=common.positive_float, default=0.5,
+                        help="DCLW weight temperature")
+    # projector g = Linear-BN-ReLU-Linear as SimCLR's Sec. 2.1 (one hidden layer); output 128 as
+    # SimCLR's tf2/run.py --proj_out_dim; hidden 2048 is this project's choice
+    parser.add_argument("--proj-hidden", type=common.positive_int, default=2048,
+                        help="projector hidden width")
+    parser.add_argument("--proj-dim", type=common.positive_int, default=128,
+                        help="projection dimension D")
+    # This project's choice: the DCL paper gives no CIFAR settings. Batch 256 because DCL is about
+    # small batches; plain SGD (lr 0.06 per 256, wd 5e-4, 200 cosine epochs) instead of the LARS
+    # of SimCLR's own CIFAR command (google-research/simclr README: batch 512, lr 1.0, wd 1e-4,
+    # tau 0.5, 1000 epochs). 10 warm-up epochs: SimCLR's tf2/run.py. Crop scale (0.08, 1):
+    # SimCLR paper, Appendix A.
+    parser.set_defaults(batch_size=256, epochs=200, lr=0.06, wd=5e-4, warmup_epochs=10,
+                        crop_scale=(0.08, 1.0))
+    return common.parse_args(parser, argv, "simclr_dcl")
 
 
 # ------------------------------------------------------------------------------ model
@@ -44,8 +57,11 @@ class SimCLR(nn.Module):
         super().__init__()
         self.backbone = common.ResNet(arch, width, image_size)
         self.projector = nn.Sequential(
-            nn.Linear(self.backbone.out_dim, proj_hidden, bias=False), nn.BatchNorm1d(proj_hidden), nn.ReLU(),
-            nn.Linear(proj_hidden, proj_dim))
+            nn.Linear(self.backbone.out_dim, proj_hidden, bias=False),
+            nn.BatchNorm1d(proj_hidden),
+            nn.ReLU(),
+            nn.Linear(proj_hidden, proj_dim),
+        )
 
     def forward(self, x):
         return self.projector(self.backbone(x))
@@ -53,158 +69,138 @@ class SimCLR(nn.Module):
 
 # ------------------------------------------------------------------------------ loss
 
-def pair_logits(z1, z2, temperature):
-    """Similarities of this rank's 2B anchors with every view of the global batch but themselves.
+def contrastive_loss(z1, z2, temperature=0.1, loss="infonce", sigma=0.5, reduction="mean"):
+    """SimCLR's InfoNCE, DCL or DCLW: mean over the 2N anchors of the global batch -> scalar
+    (reduction="none": the (2B,) losses of this rank's anchors [z1; z2], for the identity tests).
 
-    z1, z2: (B, D) L2-normalised views of this rank's images.
-    Returns pos (2B,) = <z_i^(1), z_i^(2)>/tau for anchors [z1; z2], logits (2B, 2N) with -inf where
-    an anchor meets itself, and `block`, the (2B, 2B) view of logits on this rank's own columns
-    (detached: fill it only with -inf).
+    z1, z2: this rank's (B, D) projections of the two views, normalised here. Anchor z_i^(k) has
+    the positive z_i^(u), u != k; the 2N-2 other views of the global batch are its negatives,
+    gathered from all ranks with gradient, so N processes (their losses averaged by DDP) give the
+    gradient of one process on the whole batch. With pos = <z_i^(1), z_i^(2)>/tau:
+      InfoNCE: L_i^(k) = -pos + log(exp(pos) + U_{i,k})   U_{i,k} = sum of exp over the negatives
+      DCL:     L_i^(k) = -pos + log U_{i,k}                (DCL Prop. 2)
+      DCLW:    L_i^(k) = -w_i pos + log U_{i,k}            (w_i = dclw_weights, a constant)
     """
-    b = z1.shape[0]
-    z = torch.cat([z1, z2])  # (2B, D) this rank's anchors
-    z_all = gather_with_grad(z)  # (2N, D) every rank's [z1; z2], in rank order, with gradient
-    logits = (z / temperature) @ z_all.T  # (2B, 2N); 1/tau on the (2B, D) side saves two passes over (2B, 2N)
-    pos = (z1 * z2).sum(1).repeat(2) / temperature  # (2B,)
-    # This rank's own views are columns [r*2B, (r+1)*2B): each anchor meets itself on that block's
-    # diagonal and its positive on the +-B diagonals. Filling those few entries in place is cheaper
-    # than building a (2B, 2N) mask; it is safe because mm saves its inputs, not its output.
-    # The fills go through `block`, a detached view: exp(-inf) = 0 already sends those entries no
-    # gradient, and a fill that autograd records would copy the whole (2B, 2N) gradient in backward.
-    start = common.rank() * 2 * b
-    block = logits.detach()[:, start:start + 2 * b]
-    block.diagonal().fill_(-math.inf)  # a view is not its own negative
-    return pos, logits, block
-
-
-def contrastive_loss(z1, z2, temperature=0.1, loss="infonce", sigma=0.5):
-    """SimCLR's InfoNCE, DCL or DCLW, mean over the 2N anchors of the global batch -> scalar.
-
-    z1, z2: this rank's (B, D) projections of the two views (normalised here). Every other view
-    of the global batch is a negative (2N-2 per anchor), gathered from all ranks with gradient, so
-    N processes (their losses averaged by DDP) give the gradient of one process on the whole batch.
-    """
-    return anchor_losses(z1, z2, temperature, loss, sigma).mean()
-
-
-def anchor_losses(z1, z2, temperature=0.1, loss="infonce", sigma=0.5):
-    """The loss of each of this rank's 2B anchors [z1; z2] -> (2B,), with pos = <z_i^(1), z_i^(2)>/tau:
-      InfoNCE: L_i^(k) = -pos + log(exp(pos) + U_{i,k})      U_{i,k} = sum over the 2N-2 negatives
-      DCL:     L_i^(k) = -pos + log U_{i,k}                   (DCL Prop. 2: positive out of the denominator)
-      DCLW:    L_i^(k) = -w_i * pos + log U_{i,k}             (w_i from dclw_weights, a constant in backward)
-    """
+    if loss not in ("infonce", "dcl", "dclw"):
+        raise ValueError(f"unknown loss {loss!r}")
     z1, z2 = F.normalize(z1, dim=1), F.normalize(z2, dim=1)
     b = z1.shape[0]
-    pos, logits, block = pair_logits(z1, z2, temperature)
-    if loss == "infonce":
-        return logsumexp_rows(logits, 1 / temperature) - pos
-    block.diagonal(b).fill_(-math.inf)  # DCL Prop. 2: drop the positive from the denominator
-    block.diagonal(-b).fill_(-math.inf)
-    log_u = logsumexp_rows(logits, 1 / temperature)  # (2B,) log U_{i,k}
-    if loss == "dcl":
-        return log_u - pos
-    if loss == "dclw":
-        return log_u - dclw_weights(z1, z2, sigma).repeat(2) * pos
-    raise ValueError(f"unknown loss {loss!r}")
+    anchors = torch.cat([z1, z2])  # (2B, D) this rank's views
+    candidates = gather_with_grad(anchors)  # (2N, D) every rank's [z1; z2], rank order, with grad
+    logits = anchors @ candidates.T / temperature  # (2B, 2N)
+    start = common.rank() * 2 * b  # this rank's views are columns start .. start + 2B - 1
+    rows = torch.arange(2 * b, device=logits.device)  # (2B,)
+    columns = torch.arange(logits.shape[1], device=logits.device)  # (2N,)
+    self_mask = columns == (start + rows)[:, None]  # (2B, 2N) the anchor itself
+    positive_mask = columns == (start + (rows + b) % (2 * b))[:, None]  # (2B, 2N) its other view
+    pos = logits[positive_mask]  # (2B,) one positive per row
+    logits = logits.masked_fill(self_mask, -math.inf)  # a view is not its own negative
+    if loss != "infonce":
+        logits = logits.masked_fill(positive_mask, -math.inf)  # DCL Prop. 2: drop the positive
+    weight = dclw_weights((z1 * z2).sum(1), sigma).repeat(2) if loss == "dclw" else 1.0  # (2B,)
+    losses = -weight * pos + torch.logsumexp(logits, dim=1)  # (2B,)
+    return losses if reduction == "none" else losses.mean()
 
 
-@torch.no_grad()  # the weight is a constant in backward (sg), as in the paper's weighting function
-def dclw_weights(z1, z2, sigma=0.5):
-    """DCLW's negative von Mises-Fisher weight per pair -> (B,), mean 1 over the GLOBAL batch:
-    w_i = 2 - exp(<z_i^(1), z_i^(2)>/sigma) / mean_j exp(<z_j^(1), z_j^(2)>/sigma)."""
-    z1, z2 = F.normalize(z1, dim=1), F.normalize(z2, dim=1)
-    vmf = torch.exp((z1 * z2).sum(1) / sigma)  # (B,)
-    mean_vmf = all_reduce_sum(vmf.sum()) / (len(vmf) * common.world_size())
-    return 2 - vmf / mean_vmf
+@torch.no_grad()  # w is a constant weight in backward (sg), as the paper's weighting function
+def dclw_weights(pos_similarity, sigma=0.5):
+    """DCLW's weight of each positive pair, the paper's negative von Mises-Fisher function:
+    pos_similarity (B,) cosine of this rank's positive pairs -> (B,), with mean 1 over the GLOBAL
+    batch:  w_i = 2 - exp(s_i / sigma) / mean_j exp(s_j / sigma), j over every rank's pairs."""
+    vmf = torch.exp(pos_similarity / sigma)  # (B,)
+    global_mean = all_reduce_sum(vmf.sum()) / (vmf.numel() * common.world_size())
+    return 2 - vmf / global_mean
 
 
 @torch.no_grad()
 def npc_multiplier(z1, z2, temperature=0.1):
-    """q_B per anchor (DCL Eq. 8): q = 1 - pos / (pos + U) = sigmoid(log U - log pos) -> (2B,)."""
+    """q_B of each of this rank's 2B anchors [z1; z2] (DCL Eq. 8) -> (2B,):
+    q = 1 - exp(pos) / (exp(pos) + U) = sigmoid(log U - pos), the sigmoid keeping small q exact."""
     z1, z2 = F.normalize(z1, dim=1), F.normalize(z2, dim=1)
     b = z1.shape[0]
-    pos, logits, block = pair_logits(z1, z2, temperature)
-    block.diagonal(b).fill_(-math.inf)
-    block.diagonal(-b).fill_(-math.inf)
-    return torch.sigmoid(logsumexp_rows(logits, 1 / temperature) - pos)
+    anchors = torch.cat([z1, z2])  # (2B, D)
+    logits = anchors @ gather(anchors).T / temperature  # (2B, 2N)
+    start = common.rank() * 2 * b
+    rows = torch.arange(2 * b, device=logits.device)  # (2B,)
+    columns = torch.arange(logits.shape[1], device=logits.device)  # (2N,)
+    self_mask = columns == (start + rows)[:, None]  # (2B, 2N)
+    positive_mask = columns == (start + (rows + b) % (2 * b))[:, None]  # (2B, 2N)
+    log_u = torch.logsumexp(logits.masked_fill(self_mask | positive_mask, -math.inf), dim=1)
+    return torch.sigmoid(log_u - logits[positive_mask])
 
 
 # ------------------------------------------------------------------------------ training step
 
 def train_step(model, optimizer, views, args, ctx):
-    """One SGD step on both views; returns the loss and q_B per anchor (for the Fig. 1 diagnostics)."""
-    x = torch.cat(views)  # (2b, 3, S, S): one forward pass for both views
+    """One SGD step on both views; returns the loss and q_B per anchor (DCL Fig. 1 diagnostics)."""
     with ctx.autocast():
-        z = model(x)
-    z1, z2 = z.to(torch.promote_types(z.dtype, torch.float32)).chunk(2)  # loss in >= float32 under bf16 autocast
-    losses = anchor_losses(z1, z2, args.temperature, args.loss, args.sigma)  # (2b,)
-    loss = losses.mean()  # = contrastive_loss(z1, z2, ...)
+        # both views in one forward pass, BatchNorm statistics over all 2B views: SimCLR's own
+        # convention (google-research/simclr tf2/model.py concatenates the views)
+        z1, z2 = model(torch.cat(views)).chunk(2)  # (B, D) each
+    z1, z2 = common.float32(z1), common.float32(z2)
+    loss = contrastive_loss(z1, z2, args.temperature, args.loss, args.sigma)
+    q = npc_multiplier(z1, z2, args.temperature)  # (2B,) under no_grad, beside the loss
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
-    return loss.detach(), npc_from_losses(losses.detach(), z1.detach(), z2.detach(), args.temperature, args.loss,
-                                          args.sigma)
-
-
-@torch.no_grad()
-def npc_from_losses(losses, z1, z2, temperature=0.1, loss="infonce", sigma=0.5):
-    """q_B per anchor recovered from the anchor losses, without a second (2B, 2N) matmul -> (2B,).
-
-    InfoNCE: L = -log(1 - q), so q = -expm1(-L).   DCL: L = log U - pos = logit(q).
-    DCLW: L = log U - w pos, so logit(q) = L + (w - 1) pos.
-    """
-    if loss == "infonce":
-        return -torch.expm1(-losses)
-    if loss == "dclw":
-        pos = (F.normalize(z1, dim=1) * F.normalize(z2, dim=1)).sum(1).repeat(2) / temperature
-        losses = losses + (dclw_weights(z1, z2, sigma).repeat(2) - 1) * pos
-    return torch.sigmoid(losses)
+    return loss.detach(), q
 
 
 def recipe(args):
-    """SimCLR's CIFAR augmentation (no blur at 32 px; Gaussian blur p=0.5 for larger images)."""
-    return common.Recipe(crop_scale=tuple(args.crop_scale), blur_p=0.5 if args.image_size > 64 else 0.0)
+    """SimCLR's augmentation. Up to 64 px its CIFAR command (google-research/simclr README:
+    --color_jitter_strength=0.5, i.e. jitter (0.4, 0.4, 0.4, 0.1), --use_blur=False); larger
+    images add Gaussian blur with p=0.5 (SimCLR paper, Appendix A)."""
+    blur_p = 0.5 if args.image_size > 64 else 0.0
+    return common.Recipe(crop_scale=tuple(args.crop_scale), blur_p=blur_p)
 
 
 # ------------------------------------------------------------------------------ main loop
 
 def main(argv=None):
     args = parse_args(argv)
-    saved_args = {k: v for k, v in vars(args).items() if k != "checkpoint"}
-    ctx = common.setup(args, "simclr_dcl")
+    ctx = common.setup(args)  # this process's device; the process group under torchrun
     data = common.load_data(args, ctx)
-    common.fit_batch_to_data(args, data, ctx)
     args.image_size = data.image_size
-    model = SimCLR(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim).to(ctx.device)
-    net = common.distribute(model, ctx, args.compile)  # DDP + global BatchNorm; `model` stays the bare module
+    torch.manual_seed(args.seed)  # the same initial model on every rank
+    model = SimCLR(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim)
+    net = common.distribute(model.to(ctx.device), ctx)  # global BatchNorm + DDP; `model` stays bare
+    if args.compile:
+        net = common.compile_model(net, ctx)
     peak_lr = args.lr * args.batch_size / 256
     optimizer = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=0.9, weight_decay=args.wd,
                                 fused=ctx.device.type == "cuda")
-    states = {"model": model, "optimizer": optimizer}  # what the checkpoint holds besides args and epoch
-    start_epoch = common.resume(args, ctx, **states)
-    augment = common.Augment([recipe(args), recipe(args)], data.image_size, data.mean, data.std, ctx)
-    steps = common.steps_per_epoch(data, args.batch_size)
+    states = {"model": model, "optimizer": optimizer}  # what checkpoint.pt holds
+    start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
+    common.start_run(args, ctx, "simclr_dcl")
+    augment = common.Augment([recipe(args)] * 2, data.image_size, data.mean, data.std, ctx)
+    steps = len(data) // args.batch_size
 
     for epoch in range(start_epoch, args.epochs):
-        generator = common.epoch_generator(args.seed, epoch, ctx.device)
+        # data order, on the CPU; augmentation on the device
+        order, generator = common.epoch_generators(args.seed, epoch, ctx.device)
         meter = common.EpochMeter(ctx, epoch, args.epochs, steps, args.batch_size)
-        batches = common.train_batches(data, epoch, args.batch_size, generator, ctx, args.workers)
+        batches = common.train_batches(data, args.batch_size, order, ctx, args.workers)
         for step, (images, _) in enumerate(batches):
-            lr = common.learning_rate(epoch * steps + step, args.epochs * steps, args.warmup_epochs * steps, peak_lr)
+            lr = common.learning_rate(epoch * steps + step, args.epochs * steps,
+                                      args.warmup_epochs * steps, peak_lr)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             views = augment(images, generator)
             loss, q = train_step(net, optimizer, views, args, ctx)
             meter.update(lr, loss=loss, npc_mean=q.mean(), npc_sq=(q * q).mean())
         record = meter.summary()
-        # DCL Fig. 1: mean NPC multiplier <q_B> and its coefficient of variation over the epoch
+        common.check_finite(record)
+        # DCL Fig. 1: the mean NPC multiplier <q_B> and its coefficient of variation
         npc_sq = record.pop("npc_sq")
-        record["npc_cv"] = math.sqrt(max(npc_sq - record["npc_mean"] ** 2, 0.0)) / max(record["npc_mean"], 1e-12)
-        if common.end_epoch(ctx, args, epoch, record, model.backbone, data, saved_args, **states):
-            return  # --stop-after
+        record["npc_cv"] = math.sqrt(max(npc_sq - record["npc_mean"] ** 2, 0)) / record["npc_mean"]
+        if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
+            record.update(common.evaluate(model.backbone, data, ctx, args))
+        common.log_epoch(ctx, record)
+        common.save_checkpoint(ctx, epoch + 1, states)
+        if args.stop_after == epoch + 1 < args.epochs:
+            return ctx.print(f"stopped after epoch {epoch + 1}: continue with --resume {ctx.out}")
 
-    results = common.evaluate(model.backbone, data, ctx, args, final=True)
-    common.finish(ctx, model.backbone, results)
+    common.finish(ctx, model.backbone, common.evaluate(model.backbone, data, ctx, args, final=True))
 
 
 if __name__ == "__main__":

@@ -1,17 +1,21 @@
-"""torchrun entry point for the distributed tests: `dist_worker.py MODULE FUNCTION OUT`.
+"""torchrun entry point for the distributed tests: `dist_worker.py MODULE FUNCTION OUT [ARG...]`.
 
-Joins the gloo process group, calls MODULE.FUNCTION() and saves its result to OUT.<rank>."""
+Imports MODULE, joins the gloo process group, calls MODULE.FUNCTION(*ARGs) and saves its result
+to OUT.<rank>."""
 import importlib
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
 if __name__ == "__main__":
-    module, function, out = sys.argv[1:4]
+    module, function, out, *args = sys.argv[1:]
+    # Import before the process group exists: importing torch._dynamo (torchvision does) after
+    # init_process_group leaves a reference to the group that destroy_process_group cannot drop,
+    # so gloo's threads outlive it and can abort the interpreter's exit (see common.py's imports).
+    module = importlib.import_module(module)
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    result = getattr(importlib.import_module(module), function)()
+    result = getattr(module, function)(*args)
     torch.save(result, f"{out}.{dist.get_rank()}")
     dist.destroy_process_group()

@@ -59,11 +59,13 @@ def run_script(script, args, nproc=1, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def run_distributed(module, function, tmp_path, nproc=2, timeout=600):
-    """Run tests/<module>.py:<function>() in `nproc` gloo processes; returns each rank's result."""
+def run_distributed(module, function, tmp_path, *args, nproc=2, timeout=600):
+    """Run tests/<module>.py:<function>(*args) in `nproc` gloo processes (args as strings);
+    returns each rank's result."""
     out = os.path.join(str(tmp_path), f"{function}.result")
     worker = os.path.join(TESTS, "dist_worker.py")
-    done = subprocess.run(torchrun(nproc) + [worker, module, function, out], cwd=ROOT, env=_env(),
+    command = torchrun(nproc) + [worker, module, function, out, *map(str, args)]
+    done = subprocess.run(command, cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(nproc)]
@@ -80,6 +82,20 @@ def float64():
         torch.set_default_dtype(previous)
 
 
+def check_run_folder(out, epochs=None):
+    """A finished run's folder: its files, one metrics line per epoch (rank 0 alone writes),
+    the final kNN (k=200, k=1) and probe -> (config, metrics lines, results)."""
+    import json
+    out = str(out)
+    assert {"config.json", "metrics.jsonl", "checkpoint.pt", "backbone.pt",
+            "results.json"} <= set(os.listdir(out))
+    config = json.load(open(os.path.join(out, "config.json")))
+    lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    epochs = config["args"]["epochs"] if epochs is None else epochs
+    assert [line["epoch"] for line in lines] == list(range(1, epochs + 1))
+    results = json.load(open(os.path.join(out, "results.json")))
+    assert {"knn_top1", "knn_k1_top1"} <= results.keys()
+    return config, lines, results
 
 TEXTURES = ("horizontal_stripes", "vertical_stripes", "checkerboard", "dots", "rings")
 

@@ -1,5 +1,6 @@
 """common.py: augmentation against torchvision, evaluation, schedule, global BatchNorm, checkpoints
 and resume, and every bad-input case (run through simclr_dcl.py)."""
+
 import json
 import math
 import os
@@ -23,12 +24,16 @@ def images(b=4, h=24, w=28, seed=0):
 
 # ------------------------------------------------------------------------------ augmentation ops
 
-@pytest.mark.parametrize("op, tv_op, factors", [
-    (common.adjust_brightness, TF.adjust_brightness, [0.6, 1.0, 1.3, 1.4]),
-    (common.adjust_contrast, TF.adjust_contrast, [0.6, 1.0, 1.2, 1.4]),
-    (common.adjust_saturation, TF.adjust_saturation, [0.0, 0.6, 1.0, 1.4]),
-    (common.adjust_hue, TF.adjust_hue, [-0.1, -0.03, 0.05, 0.1]),
-])
+
+@pytest.mark.parametrize(
+    "op, tv_op, factors",
+    [
+        (common.adjust_brightness, TF.adjust_brightness, [0.6, 1.0, 1.3, 1.4]),
+        (common.adjust_contrast, TF.adjust_contrast, [0.6, 1.0, 1.2, 1.4]),
+        (common.adjust_saturation, TF.adjust_saturation, [0.0, 0.6, 1.0, 1.4]),
+        (common.adjust_hue, TF.adjust_hue, [-0.1, -0.03, 0.05, 0.1]),
+    ],
+)
 def test_colour_op_with_per_sample_factor_matches_torchvision(op, tv_op, factors):
     """Row i of the batched op equals torchvision's functional op on image i with factor i."""
     x = images()
@@ -48,20 +53,30 @@ def test_grayscale_solarize_and_blur_match_torchvision():
 
 
 def test_resized_crop_and_flip_match_torchvision():
-    """One grid_sample per batch equals torchvision's resized_crop (bilinear, no antialias) per image,
-    mirrored by hflip where asked. Downscaling boxes compare exactly; an upscaling box compares
-    away from its 1-pixel rim (torchvision clamps to the crop's edge, grid_sample to the image's)."""
+    """One grid_sample per batch equals torchvision's resized_crop (bilinear, no antialias) per
+    image, mirrored by hflip where asked. Downscaling boxes compare exactly; an upscaling box
+    compares away from its 1-pixel rim (torchvision clamps to the crop's edge, grid_sample to the
+    image's)."""
     x = images(4, 40, 36)
     top, left = torch.tensor([0.0, 3, 10, 5]), torch.tensor([0.0, 7, 2, 20])
     h, w = torch.tensor([40.0, 20, 30, 16]), torch.tensor([36.0, 24, 17, 16])
     flip = torch.tensor([False, True, False, True])
     out = common.resized_crop_flip(x, top, left, h, w, flip, 16)
     for i in range(4):
-        expect = TF.resized_crop(x[i], int(top[i]), int(left[i]), int(h[i]), int(w[i]), [16, 16], antialias=False)
+        expect = TF.resized_crop(
+            x[i], int(top[i]), int(left[i]), int(h[i]), int(w[i]), [16, 16], antialias=False
+        )
         expect = TF.hflip(expect) if flip[i] else expect
         assert torch.allclose(out[i], expect, atol=1e-5), i
-    up = common.resized_crop_flip(x[:1], torch.tensor([8.0]), torch.tensor([9.0]), torch.tensor([10.0]),
-                                  torch.tensor([12.0]), torch.tensor([False]), 24)
+    up = common.resized_crop_flip(
+        x[:1],
+        torch.tensor([8.0]),
+        torch.tensor([9.0]),
+        torch.tensor([10.0]),
+        torch.tensor([12.0]),
+        torch.tensor([False]),
+        24,
+    )
     expect = TF.resized_crop(x[0], 8, 9, 10, 12, [24, 24], antialias=False)
     assert torch.allclose(up[0, :, 2:-2, 2:-2], expect[:, 2:-2, 2:-2], atol=1e-5)
 
@@ -70,7 +85,9 @@ def test_crop_boxes_respect_scale_and_ratio_ranges():
     g = torch.Generator().manual_seed(0)
     rand = lambda shape: torch.rand(shape, generator=g)
     top, left, h, w = common.sample_crop_boxes(rand, 4000, 32, 40, (0.2, 0.9), (3 / 4, 4 / 3))
-    assert (top >= 0).all() and (left >= 0).all() and (top + h <= 32).all() and (left + w <= 40).all()
+    assert (
+        (top >= 0).all() and (left >= 0).all() and (top + h <= 32).all() and (left + w <= 40).all()
+    )
     area = h * w / (32 * 40)
     # w and h are rounded to whole pixels, which moves the area and ratio slightly past the range
     assert area.min() > 0.2 * 0.85 and area.max() < 0.9 * 1.15
@@ -83,7 +100,9 @@ def test_crop_boxes_respect_scale_and_ratio_ranges():
 def test_crop_falls_back_to_centre_crop_when_no_draw_fits():
     """A 4x40 strip can fit no box of ratio 3/4..4/3 with area >= 90%: torchvision's fallback."""
     g = torch.Generator().manual_seed(0)
-    top, left, h, w = common.sample_crop_boxes(lambda s: torch.rand(s, generator=g), 5, 4, 40, (0.9, 1.0), (3 / 4, 4 / 3))
+    top, left, h, w = common.sample_crop_boxes(
+        lambda s: torch.rand(s, generator=g), 5, 4, 40, (0.9, 1.0), (3 / 4, 4 / 3)
+    )
     assert (h == 4).all() and (w == round(4 * 4 / 3)).all() and (left == (40 - w) // 2).all()
 
 
@@ -96,7 +115,9 @@ def test_every_sample_gets_its_own_parameters():
     would give 16 identical ones)."""
     x = (images(1, 32, 32) * 255).to(torch.uint8).expand(16, 3, 32, 32)
     recipe = Recipe(jitter_p=1.0, blur_p=0.5, solarize_p=0.5)
-    (view,) = Augment([recipe], 32, (0.5,) * 3, (0.5,) * 3, ctx_for(0, 1))(x, torch.Generator().manual_seed(0))
+    (view,) = Augment([recipe], 32, (0.5,) * 3, (0.5,) * 3, ctx_for(0, 1))(
+        x, torch.Generator().manual_seed(0)
+    )
     flat = view.flatten(1)
     distance = torch.cdist(flat, flat) + torch.eye(16) * 1e9
     assert distance.min() > 1e-3
@@ -106,15 +127,21 @@ def test_ranks_augment_their_rows_exactly_as_one_process():
     """Parameters are drawn for the global batch and sliced, so rank 0 + rank 1 == one process."""
     x = (images(8, 20, 20) * 255).to(torch.uint8)
     recipes = [Recipe(blur_p=0.5), Recipe(solarize_p=0.5)]
-    single = Augment(recipes, 16, (0.5,) * 3, (0.25,) * 3, ctx_for(0, 1))(x, torch.Generator().manual_seed(1))
-    parts = [Augment(recipes, 16, (0.5,) * 3, (0.25,) * 3, ctx_for(r, 2))(x[4 * r:4 * r + 4],
-                                                                           torch.Generator().manual_seed(1))
-             for r in range(2)]
+    single = Augment(recipes, 16, (0.5,) * 3, (0.25,) * 3, ctx_for(0, 1))(
+        x, torch.Generator().manual_seed(1)
+    )
+    parts = [
+        Augment(recipes, 16, (0.5,) * 3, (0.25,) * 3, ctx_for(r, 2))(
+            x[4 * r : 4 * r + 4], torch.Generator().manual_seed(1)
+        )
+        for r in range(2)
+    ]
     for v in range(2):
         assert torch.equal(torch.cat([parts[0][v], parts[1][v]]), single[v])
 
 
 # ------------------------------------------------------------------------------ evaluation
+
 
 def toy_features(n, classes=5, d=32, seed=0, shuffle_labels=False):
     g = torch.Generator().manual_seed(seed)
@@ -128,7 +155,12 @@ def toy_features(n, classes=5, d=32, seed=0, shuffle_labels=False):
 
 def test_knn_and_linear_probe_solve_separable_features():
     train_f, train_y = toy_features(1400, seed=10)
-    train_f, train_y, test_f, test_y = train_f[:1000], train_y[:1000], train_f[1000:], train_y[1000:]
+    train_f, train_y, test_f, test_y = (
+        train_f[:1000],
+        train_y[:1000],
+        train_f[1000:],
+        train_y[1000:],
+    )
     assert common.knn_accuracy(train_f, train_y, test_f, test_y, 5, k=200, t=0.1) > 99
     assert common.knn_accuracy(train_f, train_y, test_f, test_y, 5, k=1, t=0.1) > 99
     assert common.linear_probe(train_f, train_y, test_f, test_y, 5, epochs=20) > 99
@@ -136,7 +168,12 @@ def test_knn_and_linear_probe_solve_separable_features():
 
 def test_knn_and_linear_probe_are_at_chance_on_random_labels():
     train_f, train_y = toy_features(2000, shuffle_labels=True, seed=11)
-    train_f, train_y, test_f, test_y = train_f[:1000], train_y[:1000], train_f[1000:], train_y[1000:]
+    train_f, train_y, test_f, test_y = (
+        train_f[:1000],
+        train_y[:1000],
+        train_f[1000:],
+        train_y[1000:],
+    )
     assert common.knn_accuracy(train_f, train_y, test_f, test_y, 5, k=200, t=0.1) < 28
     assert common.linear_probe(train_f, train_y, test_f, test_y, 5, epochs=20) < 28
 
@@ -150,6 +187,7 @@ def test_learning_rate_warms_up_then_follows_the_cosine():
 
 # ------------------------------------------------------------------------------ global BatchNorm
 
+
 def _batchnorm_case(world, rank):
     torch.manual_seed(0)
     x = torch.randn(8, 3, 5, 5, dtype=torch.float64) * 3 + 2
@@ -160,10 +198,17 @@ def _batchnorm_case(world, rank):
         bn = common.sync_batchnorm(nn.Sequential(bn), ctx_for(rank, world))[0]
     xin = x[rows].clone().requires_grad_()
     out = bn(xin)
-    weights = torch.arange(x.numel(), dtype=torch.float64).view_as(x)[rows]  # the global loss, split by rows
+    weights = torch.arange(x.numel(), dtype=torch.float64).view_as(x)[
+        rows
+    ]  # the global loss, split by rows
     (out * weights).sum().backward()
-    return {"out": out.detach(), "grad_x": xin.grad, "grad_w": bn.weight.grad,
-            "running_var": bn.running_var.clone(), "running_mean": bn.running_mean.clone()}
+    return {
+        "out": out.detach(),
+        "grad_x": xin.grad,
+        "grad_w": bn.weight.grad,
+        "running_var": bn.running_var.clone(),
+        "running_mean": bn.running_mean.clone(),
+    }
 
 
 def _worker_batchnorm():
@@ -176,7 +221,10 @@ def test_gather_batchnorm_on_two_cpu_processes_equals_batchnorm_on_one(tmp_path)
     and the weight gradient summed over ranks equals the single one."""
     ranks = run_distributed("test_common", "_worker_batchnorm", tmp_path)
     single = _batchnorm_case(1, 0)
-    assert isinstance(common.sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3)), ctx_for(0, 2))[0], common.GatherBatchNorm)
+    assert isinstance(
+        common.sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3)), ctx_for(0, 2))[0],
+        common.GatherBatchNorm,
+    )
     assert torch.allclose(torch.cat([r["out"] for r in ranks]), single["out"], atol=1e-12)
     assert torch.allclose(torch.cat([r["grad_x"] for r in ranks]), single["grad_x"], atol=1e-10)
     assert torch.allclose(ranks[0]["grad_w"] + ranks[1]["grad_w"], single["grad_w"], atol=1e-9)
@@ -185,6 +233,7 @@ def test_gather_batchnorm_on_two_cpu_processes_equals_batchnorm_on_one(tmp_path)
 
 
 # ------------------------------------------------------------------------------ checkpoints
+
 
 def test_crash_mid_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     path = str(tmp_path / "checkpoint.pt")
@@ -203,51 +252,33 @@ def test_crash_mid_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     assert kept["epoch"] == 1 and torch.equal(kept["w"], torch.ones(3))
 
 
-def flat_tensors(obj, prefix=""):
-    if isinstance(obj, torch.Tensor):
-        return {prefix: obj}
-    if isinstance(obj, dict):
-        return {k2: v2 for k, v in obj.items() for k2, v2 in flat_tensors(v, f"{prefix}/{k}").items()}
-    if isinstance(obj, (list, tuple)):
-        return {k2: v2 for i, v in enumerate(obj) for k2, v2 in flat_tensors(v, f"{prefix}/{i}").items()}
-    return {}
-
-
-def test_resume_after_interruption_equals_an_uninterrupted_run(tiny_folder, tmp_path):
-    """2 epochs straight vs. 1 epoch, stop, --resume: identical model, optimizer and metrics."""
-    args = smoke_args(tiny_folder, tmp_path / "straight", "--epochs", "2", "--linear-epochs", "0")
-    simclr_dcl.main(args)
-    simclr_dcl.main(smoke_args(tiny_folder, tmp_path / "split", "--epochs", "2", "--stop-after", "1",
-                               "--linear-epochs", "0"))
-    assert json.loads(open(tmp_path / "split" / "metrics.jsonl").readline())["epoch"] == 1
-    assert not (tmp_path / "split" / "backbone.pt").exists()
-    simclr_dcl.main(["--resume", str(tmp_path / "split")])
-    a = torch.load(tmp_path / "straight" / "checkpoint.pt")
-    b = torch.load(tmp_path / "split" / "checkpoint.pt")
-    assert a["epoch"] == b["epoch"] == 2
-    ta, tb = flat_tensors({"m": a["model"], "o": a["optimizer"]}), flat_tensors({"m": b["model"], "o": b["optimizer"]})
-    assert ta.keys() == tb.keys() and len(ta) > 50
-    for key in ta:
-        assert torch.equal(ta[key], tb[key]), key
-    la = [json.loads(x) for x in open(tmp_path / "straight" / "metrics.jsonl")]
-    lb = [json.loads(x) for x in open(tmp_path / "split" / "metrics.jsonl")]
-    assert [x["loss"] for x in la] == [x["loss"] for x in lb]
-
-
-def test_non_finite_loss_stops_and_keeps_the_good_checkpoint(tiny_folder, tmp_path, monkeypatch, capsys):
-    simclr_dcl.main(smoke_args(tiny_folder, tmp_path, "--epochs", "2", "--stop-after", "1", "--linear-epochs", "0"))
+def test_non_finite_loss_stops_and_keeps_the_good_checkpoint(
+    tiny_folder, tmp_path, monkeypatch, capsys
+):
+    simclr_dcl.main(
+        smoke_args(
+            tiny_folder, tmp_path, "--epochs", "2", "--stop-after", "1", "--linear-epochs", "0"
+        )
+    )
     good = open(tmp_path / "checkpoint.pt", "rb").read()
-    real = simclr_dcl.anchor_losses
-    monkeypatch.setattr(simclr_dcl, "anchor_losses", lambda *a, **k: real(*a, **k) * float("nan"))
+    real = simclr_dcl.contrastive_loss
+    monkeypatch.setattr(
+        simclr_dcl, "contrastive_loss", lambda *a, **k: real(*a, **k) * float("nan")
+    )
     with pytest.raises(SystemExit) as exit_info:
         common.run(lambda: simclr_dcl.main(["--resume", str(tmp_path)]))
     assert exit_info.value.code == 2
-    err = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()  # after the progress bars
-    assert err[-1].startswith("error: loss became nan") and sum("error" in line for line in err) == 1
+    err = (
+        capsys.readouterr().err.replace("\r", "\n").strip().splitlines()
+    )  # after the progress bars
+    assert (
+        err[-1].startswith("error: loss became nan") and sum("error" in line for line in err) == 1
+    )
     assert open(tmp_path / "checkpoint.pt", "rb").read() == good
 
 
 # ------------------------------------------------------------------------------ bad input
+
 
 def fails_with(argv, capsys, message):
     """Run simclr_dcl as its __main__ does: one 'error:' line, exit status 2, no traceback."""
@@ -276,30 +307,104 @@ def test_image_folder_with_one_class(tmp_path, capsys):
 def test_cifar10_without_network_or_local_copy(tmp_path, capsys, monkeypatch):
     for proxy in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
         monkeypatch.setenv(proxy, "http://127.0.0.1:9")  # no download, even where a network exists
-    fails_with(["--dataset", "cifar10", "--data-dir", str(tmp_path), "--device", "cpu", "--out", str(tmp_path / "o")],
-               capsys, "cifar-10-python.tar.gz")
+    fails_with(
+        [
+            "--dataset",
+            "cifar10",
+            "--data-dir",
+            str(tmp_path),
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capsys,
+        "cifar-10-python.tar.gz",
+    )
 
 
 def test_batch_of_one_per_process(tiny_folder, tmp_path, capsys):
-    fails_with(smoke_args(tiny_folder, tmp_path, "--batch-size", "1"), capsys, "at least 2 images per process")
+    fails_with(
+        smoke_args(tiny_folder, tmp_path, "--batch-size", "1"),
+        capsys,
+        "at least 2 images per process",
+    )
 
 
-def test_corrupt_checkpoint(tmp_path, capsys):
+def test_corrupt_checkpoint(tiny_folder, tmp_path, capsys):
+    simclr_dcl.main(
+        smoke_args(
+            tiny_folder, tmp_path, "--epochs", "2", "--stop-after", "1", "--linear-epochs", "0"
+        )
+    )
+    capsys.readouterr()
     (tmp_path / "checkpoint.pt").write_bytes(b"not a checkpoint")
     fails_with(["--resume", str(tmp_path)], capsys, "unreadable")
 
 
+def test_a_folder_without_a_run_is_not_resumed(tmp_path, capsys):
+    fails_with(["--resume", str(tmp_path)], capsys, "no readable config.json")
+
+
+def test_a_new_run_never_overwrites_an_existing_run_folder(tiny_folder, tmp_path, capsys):
+    """A second run with the same --out stops with one line naming --resume; the first run's
+    files are byte-for-byte unchanged."""
+    simclr_dcl.main(smoke_args(tiny_folder, tmp_path, "--linear-epochs", "0"))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert {"config.json", "checkpoint.pt", "metrics.jsonl", "backbone.pt"} <= before.keys()
+    capsys.readouterr()
+    fails_with(smoke_args(tiny_folder, tmp_path, "--seed", "1"), capsys, "--resume")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_an_unreadable_image_is_named(tiny_folder, tmp_path, capsys):
+    import shutil
+
+    shutil.copytree(tiny_folder, tmp_path / "data")
+    bad = tmp_path / "data" / "train" / "class1" / "3.png"
+    bad.write_bytes(b"not a png")
+    for workers in ("0", "2"):  # in this process, and in DataLoader workers
+        out = tmp_path / f"out{workers}"
+        fails_with(smoke_args(tmp_path / "data", out, "--workers", workers), capsys, str(bad))
+        assert not out.exists()
+
+
+def test_a_failed_start_leaves_no_run_folder(tmp_path, capsys, monkeypatch):
+    """No data, a bad option or a refused --resume: runs/ stays as it was."""
+    monkeypatch.chdir(tmp_path)
+    for proxy in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(proxy, "http://127.0.0.1:9")
+    fails_with(
+        ["--dataset", "cifar10", "--data-dir", str(tmp_path / "d"), "--device", "cpu"],
+        capsys,
+        "could not be downloaded",
+    )
+    fails_with(["--device", "tpu"], capsys, "--device tpu")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_checkpoint_of_another_configuration(tiny_folder, tmp_path, capsys):
-    simclr_dcl.main(smoke_args(tiny_folder, tmp_path, "--epochs", "2", "--stop-after", "1", "--linear-epochs", "0"))
+    simclr_dcl.main(
+        smoke_args(
+            tiny_folder, tmp_path, "--epochs", "2", "--stop-after", "1", "--linear-epochs", "0"
+        )
+    )
     capsys.readouterr()
     fails_with(["--resume", str(tmp_path), "--arch", "resnet34"], capsys, "--arch resnet18")
 
 
-def test_checkpoint_of_another_script_is_refused_before_anything_is_written(tiny_folder, tmp_path, capsys):
-    simclr_dcl.main(smoke_args(tiny_folder, tmp_path, "--epochs", "2", "--stop-after", "1", "--linear-epochs", "0"))
+def test_checkpoint_of_another_script_is_refused_before_anything_is_written(
+    tiny_folder, tmp_path, capsys
+):
+    simclr_dcl.main(
+        smoke_args(
+            tiny_folder, tmp_path, "--epochs", "2", "--stop-after", "1", "--linear-epochs", "0"
+        )
+    )
     config = (tmp_path / "config.json").read_bytes()
     capsys.readouterr()
     import nnclr_dcl
+
     with pytest.raises(SystemExit):
         common.run(lambda: nnclr_dcl.main(["--resume", str(tmp_path)]))
     assert "made by simclr_dcl.py, not nnclr_dcl.py" in capsys.readouterr().err
@@ -317,9 +422,15 @@ def test_scripts_print_one_line_and_no_traceback(tiny_folder, tmp_path):
     our 'error:' line, a non-zero exit, no traceback from our code. (torchrun adds its own
     launcher report after any failed worker; that part is torchrun's.)"""
     one = run_script("simclr_dcl.py", smoke_args(tmp_path / "nowhere", tmp_path / "o1"))
-    assert one.returncode == 2 and one.stderr.strip().startswith("error: ") and "Traceback" not in one.stderr
+    assert (
+        one.returncode == 2
+        and one.stderr.strip().startswith("error: ")
+        and "Traceback" not in one.stderr
+    )
     assert len(one.stderr.strip().splitlines()) == 1
-    two = run_script("simclr_dcl.py", smoke_args(tiny_folder, tmp_path / "o2", "--batch-size", "15"), nproc=2)
+    two = run_script(
+        "simclr_dcl.py", smoke_args(tiny_folder, tmp_path / "o2", "--batch-size", "15"), nproc=2
+    )
     assert two.returncode != 0
     assert "error: --batch-size 15 must be a multiple of the 2 processes" in two.stderr
     assert 'simclr_dcl.py", line' not in two.stderr and 'common.py", line' not in two.stderr
@@ -327,10 +438,42 @@ def test_scripts_print_one_line_and_no_traceback(tiny_folder, tmp_path):
 
 # ------------------------------------------------------------------------------ other data paths
 
+
 def test_streaming_image_folder_and_augmented_linear_probe(tiny_folder, tmp_path):
     """--stream decodes and crops in DataLoader workers; --linear-aug trains the probe on views."""
     simclr_dcl.main(smoke_args(tiny_folder, tmp_path / "stream", "--stream"))
     results = json.load(open(tmp_path / "stream" / "results.json"))
     assert math.isfinite(results["linear_top1"]) and results["knn_top1"] >= 0
-    simclr_dcl.main(smoke_args(tiny_folder, tmp_path / "aug", "--linear-aug", "--linear-epochs", "1"))
+    simclr_dcl.main(
+        smoke_args(tiny_folder, tmp_path / "aug", "--linear-aug", "--linear-epochs", "1")
+    )
     assert 0 <= json.load(open(tmp_path / "aug" / "results.json"))["linear_top1"] <= 100
+
+
+# ------------------------------------------------------------------------------ GPU-facing choices
+
+
+def test_a_resumed_optimizer_keeps_the_kernel_choice_of_the_run_that_loads_it(tmp_path):
+    """A checkpoint written by a run without foreach/fused kernels (as on CPU) and loaded where
+    they are on (as fused SGD on CUDA) keeps the loading run's choice, and the saved state."""
+    ctx = Context(0, 1, 0, CPU, str(tmp_path), False)
+    weight = nn.Parameter(torch.ones(3))
+    saving = torch.optim.SGD([weight], lr=0.1, momentum=0.9, foreach=False)
+    weight.grad = torch.ones(3)
+    saving.step()
+    common.save_checkpoint(ctx, 1, {"optimizer": saving})
+    loading = torch.optim.SGD([nn.Parameter(torch.ones(3))], lr=0.1, momentum=0.9, foreach=True)
+    assert common.load_checkpoint(ctx, {"optimizer": loading}) == 1
+    assert loading.param_groups[0]["foreach"] is True
+    assert torch.equal(loading.state_dict()["state"][0]["momentum_buffer"], torch.ones(3))
+
+
+def test_compile_is_skipped_with_a_warning_under_more_than_one_process():
+    net = nn.Linear(2, 2)
+    with pytest.warns(UserWarning, match="--compile is ignored"):
+        assert common.compile_model(net, ctx_for(0, 2)) is net
+
+
+def test_a_device_that_is_not_there_is_one_error_line(tmp_path, capsys):
+    fails_with(["--device", "cuda:7", "--out", str(tmp_path / "o")], capsys, "--device cuda:7")
+    assert not (tmp_path / "o").exists()

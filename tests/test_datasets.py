@@ -3,6 +3,7 @@
 The real sets cannot be downloaded here, so each test writes a few images in the exact file layout
 torchvision reads (pickled CIFAR batches, STL-10's binary files) and disables only torchvision's
 MD5 check. Everything after that is the real loading code and a real training run."""
+
 import json
 import os
 import pickle
@@ -14,7 +15,6 @@ import torchvision
 
 import common
 import simclr_dcl
-from helpers import smoke_args
 
 
 def coloured_images(n, size, seed):
@@ -51,49 +51,107 @@ def write_stl10(root, train=12, unlabeled=20, test=10):
     os.makedirs(folder)
     for seed, (split, n) in enumerate((("train", train), ("unlabeled", unlabeled), ("test", test))):
         images, labels = coloured_images(n, 96, seed)
-        images.transpose(0, 1, 3, 2).tofile(os.path.join(folder, f"{split}_X.bin"))  # STL stores column-major
+        images.transpose(0, 1, 3, 2).tofile(
+            os.path.join(folder, f"{split}_X.bin")
+        )  # STL stores column-major
         if split != "unlabeled":
             (labels + 1).astype(np.uint8).tofile(os.path.join(folder, f"{split}_y.bin"))  # 1-based
     return root
 
 
 def test_cifar10_is_decoded_once_to_uint8_on_the_device(tmp_path, no_md5):
-    """(N, H, W, 3) pickles -> (N, 3, 32, 32) uint8 with int64 labels; --limit-train cuts the train set."""
+    """(N, H, W, 3) pickles -> (N, 3, 32, 32) uint8 with int64 labels; --limit-train cuts the
+    train set."""
     root = write_cifar10(str(tmp_path))
-    args = simclr_dcl.parse_args(["--data-dir", root, "--device", "cpu", "--limit-train", "30"])
+    args = simclr_dcl.parse_args(
+        ["--data-dir", root, "--device", "cpu", "--limit-train", "30", "--batch-size", "16"]
+    )
     data = common.load_data(args, common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False))
     images, labels = coloured_images(8, 32, 0)
     assert data.train.dtype == torch.uint8 and data.train.shape == (30, 3, 32, 32)
-    assert torch.equal(data.train[:8], torch.from_numpy(images)) and data.train_labels[:8].tolist() == labels.tolist()
-    assert data.eval_test[0].shape == (20, 3, 32, 32) and data.num_classes == 10 and data.image_size == 32
+    assert (
+        torch.equal(data.train[:8], torch.from_numpy(images))
+        and data.train_labels[:8].tolist() == labels.tolist()
+    )
+    assert (
+        data.eval_test[0].shape == (20, 3, 32, 32)
+        and data.num_classes == 10
+        and data.image_size == 32
+    )
 
 
 def test_cifar10_training_run(tmp_path, no_md5):
     root = write_cifar10(str(tmp_path / "data"))
     out = tmp_path / "run"
-    simclr_dcl.main(["--dataset", "cifar10", "--data-dir", root, "--width", "8", "--epochs", "1", "--batch-size", "16",
-                     "--device", "cpu", "--linear-epochs", "2", "--out", str(out)])
+    simclr_dcl.main(
+        [
+            "--dataset",
+            "cifar10",
+            "--data-dir",
+            root,
+            "--width",
+            "8",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "16",
+            "--device",
+            "cpu",
+            "--linear-epochs",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     results = json.load(open(out / "results.json"))
     assert 0 <= results["knn_top1"] <= 100 and (out / "backbone.pt").exists()
 
 
 def test_stl10_pretrains_on_train_plus_unlabeled_and_evaluates_on_labelled_splits(tmp_path, no_md5):
-    """train+unlabeled (labels -1 for the unlabeled part) for pre-training, train/test for evaluation."""
+    """train+unlabeled (labels -1 for the unlabeled part) for pre-training, train/test for
+    evaluation."""
     root = write_stl10(str(tmp_path))
-    args = simclr_dcl.parse_args(["--dataset", "stl10", "--data-dir", root, "--device", "cpu"])
+    args = simclr_dcl.parse_args(
+        ["--dataset", "stl10", "--data-dir", root, "--device", "cpu", "--batch-size", "16"]
+    )
     data = common.load_data(args, common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False))
     images, labels = coloured_images(12, 96, 0)
     assert data.train.shape == (32, 3, 96, 96) and data.image_size == 96
     assert torch.equal(data.train[:12], torch.from_numpy(images))
-    assert data.train_labels[:12].tolist() == labels.tolist() and (data.train_labels[12:] == -1).all()
-    assert data.eval_train[0].shape == (12, 3, 96, 96) and data.eval_test[0].shape == (10, 3, 96, 96)
+    assert (
+        data.train_labels[:12].tolist() == labels.tolist() and (data.train_labels[12:] == -1).all()
+    )
+    assert data.eval_train[0].shape == (12, 3, 96, 96) and data.eval_test[0].shape == (
+        10,
+        3,
+        96,
+        96,
+    )
 
 
 def test_stl10_training_run_uses_the_imagenet_stem(tmp_path, no_md5):
     root = write_stl10(str(tmp_path / "data"))
     out = tmp_path / "run"
-    simclr_dcl.main(["--dataset", "stl10", "--data-dir", root, "--width", "8", "--epochs", "1", "--batch-size", "16",
-                     "--device", "cpu", "--linear-epochs", "2", "--out", str(out)])
+    simclr_dcl.main(
+        [
+            "--dataset",
+            "stl10",
+            "--data-dir",
+            root,
+            "--width",
+            "8",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "16",
+            "--device",
+            "cpu",
+            "--linear-epochs",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     assert json.load(open(out / "results.json"))["knn_k1_top1"] >= 0
     backbone = torch.load(out / "backbone.pt")
     assert backbone["conv1.weight"].shape[-1] == 7  # 96 px > 64 px: 7x7 stride-2 stem with max-pool

@@ -1,7 +1,7 @@
 """Tests for moco_simmoco_simco.py: the paper's identities (float64, against autograd),
 the queue and the momentum encoder, 2 processes == 1 process, --resume, and smoke runs."""
 import argparse
-import json
+import math
 import os
 
 import pytest
@@ -11,13 +11,13 @@ import torch.nn.functional as F
 
 import common
 import moco_simmoco_simco as mss
-from helpers import float64, run_distributed, run_script, smoke_args
+from helpers import check_run_folder, float64, run_distributed, run_script, smoke_args
 
 TAU = 0.1
 
 
 def embeddings(b=6, d=5, k=9, seed=0):
-    """Un-normalised anchors q (B, D) and keys k (B, D) with gradient, and a normalised queue (K, D)."""
+    """Un-normalised anchors q (B, D) and keys k (B, D) with gradient, a normalised queue (K, D)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, d, generator=g, dtype=torch.float64).requires_grad_()
     keys = torch.randn(b, d, generator=g, dtype=torch.float64).requires_grad_()
@@ -38,7 +38,8 @@ def reference_logits(q, k, queue=None):
 
 def reference_infonce(logits, tau):
     """-log p_+(tau) per anchor (DT Eq. 1) as MoCo writes it: cross-entropy with label 0."""
-    return F.cross_entropy(logits / tau, torch.zeros(len(logits), dtype=torch.long), reduction="none")
+    labels = torch.zeros(len(logits), dtype=torch.long)
+    return F.cross_entropy(logits / tau, labels, reduction="none")
 
 
 def reference_weight(logits, tau):
@@ -55,43 +56,46 @@ def grad(value, x):
     return torch.autograd.grad(value, x, retain_graph=True)[0]
 
 
-# ------------------------------------------------------------------------------ DT sec. 2 identities
+# ------------------------------------------------------------------------- DT sec. 2 identities
 
 def test_eq4_infonce_gradient_is_anchor_weight_times_positive_minus_weighted_negatives():
-    """dL_i/dq_i = -(1/tau) W_i (k_i - sum_j phat_j k_j), phat_j = p_j / W_i, W_i = sum_j p_j = 1 - p_+.
+    """dL_i/dq_i = -(1/tau) W_i (k_i - sum_j phat_j k_j), phat_j = p_j / W_i,
+    W_i = sum_j p_j = 1 - p_+.
 
     The code normalises q inside, so autograd's gradient on the raw q is the closed form on q/|q|
     times the normalisation Jacobian (I - qhat qhat^T) / |q|."""
     q, k, queue = embeddings()
-    infonce, log_w, _ = mss.dual_temperature_terms(q, k, TAU, TAU, queue)
-    g = grad(infonce.sum(), q)
+    loss, (w_returned, _) = mss.dual_temperature_loss(q, k, TAU, TAU, queue)  # = mean_i InfoNCE_i
+    g = grad(loss * len(q), q)  # the gradient of sum_i InfoNCE_i
     qn, kn = F.normalize(q, dim=1).detach(), F.normalize(k, dim=1).detach()
     p = torch.softmax(reference_logits(q, k, queue).detach() / TAU, 1)  # (B, 1 + K)
     w = p[:, 1:].sum(1)
-    assert torch.allclose(w, 1 - p[:, 0], atol=1e-14)  # weight on the positive = sum on the negatives
-    assert torch.allclose(log_w.exp(), w, atol=1e-14)
+    assert torch.allclose(w, 1 - p[:, 0], atol=1e-14)  # weight on the positive = sum on negatives
+    assert torch.allclose(w_returned, w, atol=1e-14)
     p_hat = p[:, 1:] / w[:, None]
     closed = -(1 / TAU) * w[:, None] * (kn - p_hat @ queue)  # (B, D) on the normalised q
-    jacobian = (torch.eye(q.shape[1]) - qn[:, :, None] * qn[:, None, :]) / q.norm(dim=1)[:, None, None]
+    jacobian = torch.eye(q.shape[1]) - qn[:, :, None] * qn[:, None, :]  # (B, D, D)
+    jacobian = jacobian / q.norm(dim=1)[:, None, None]
     assert torch.allclose(g, (jacobian @ closed[:, :, None]).squeeze(2), atol=1e-12)
 
 
 @pytest.mark.parametrize("use_queue", [True, False])
 def test_eq7_loss_transformation_has_the_eq1_gradient_on_q(use_queue):
-    """sg(W_i) * (-<q_i,k_i>/tau + log sum_j exp(<q_i,k_j>/tau)) and -log p_+ have the same dL/dq."""
+    """sg(W_i) * (-<q_i,k_i>/tau + log sum_j exp(<q_i,k_j>/tau)) and -log p_+: the same dL/dq."""
     q, k, queue = embeddings()
     queue = queue if use_queue else None
-    infonce, log_w, _ = mss.dual_temperature_terms(q, k.detach(), TAU, TAU, queue)
-    eq7 = log_w.exp() * reference_dcl(reference_logits(q, k.detach(), queue), TAU)
-    assert torch.allclose(grad(infonce.sum(), q), grad(eq7.sum(), q), atol=1e-12)
+    infonce, (w, _) = mss.dual_temperature_loss(q, k.detach(), TAU, TAU, queue)
+    eq7 = (w * reference_dcl(reference_logits(q, k.detach(), queue), TAU)).mean()
+    assert torch.allclose(grad(infonce, q), grad(eq7, q), atol=1e-12)
 
 
 @pytest.mark.parametrize("use_queue", [True, False])
 def test_equal_temperatures_is_exactly_infonce(use_queue):
-    """tau_beta = tau_alpha: sg(W/W) = 1, so Eq. 9 is InfoNCE (Eq. 1) in value and in gradient on q and k."""
+    """tau_beta = tau_alpha: sg(W/W) = 1, so Eq. 9 is InfoNCE (Eq. 1) in value and in gradient
+    on q and k."""
     q, k, queue = embeddings()
     queue = queue if use_queue else None
-    loss = mss.dual_temperature_loss(q, k, TAU, TAU, queue)
+    loss, _ = mss.dual_temperature_loss(q, k, TAU, TAU, queue)
     reference = reference_infonce(reference_logits(q, k, queue), TAU).mean()
     assert torch.allclose(loss, reference, atol=1e-14)
     for x in (q, k):
@@ -100,7 +104,8 @@ def test_equal_temperatures_is_exactly_infonce(use_queue):
 
 @pytest.mark.parametrize("use_queue", [True, False])
 def test_dual_temperature_gradient_is_weight_ratio_times_infonce_gradient(use_queue):
-    """Per anchor: dL_i/dq_i = (W_i(tau_b)/W_i(tau_a)) dInfoNCE_i(tau_a)/dq_i = W_i(tau_b) dDCL_i(tau_a)/dq_i.
+    """Per anchor: dL_i/dq_i = (W_i(tau_b)/W_i(tau_a)) dInfoNCE_i(tau_a)/dq_i
+                             = W_i(tau_b) dDCL_i(tau_a)/dq_i.
 
     With in-batch negatives (SimCo) the same holds for the gradient on every key, since the weight
     is a constant: d/dk of Eq. 9 = d/dk of sum_i ratio_i * InfoNCE_i."""
@@ -108,17 +113,18 @@ def test_dual_temperature_gradient_is_weight_ratio_times_infonce_gradient(use_qu
     q, k, queue = embeddings()
     queue = queue if use_queue else None
     b = len(q)
-    loss = mss.dual_temperature_loss(q, k, TAU, tau_beta, queue)
+    loss, (w_alpha_out, w_beta_out) = mss.dual_temperature_loss(q, k, TAU, tau_beta, queue)
     logits = reference_logits(q, k, queue)
-    w_alpha, w_beta = reference_weight(logits, TAU).detach(), reference_weight(logits, tau_beta).detach()
+    w_alpha = reference_weight(logits, TAU).detach()
+    w_beta = reference_weight(logits, tau_beta).detach()
     ratio_infonce = (w_beta / w_alpha * reference_infonce(logits, TAU)).sum() / b
     weighted_dcl = (w_beta * reference_dcl(logits, TAU)).sum() / b
     assert not torch.allclose(w_alpha, w_beta)  # the identity is not trivially true here
     for x in (q, k):
         assert torch.allclose(grad(loss, x), grad(ratio_infonce, x), atol=1e-13)
         assert torch.allclose(grad(loss, x), grad(weighted_dcl, x), atol=1e-13)
-    _, la, lb = mss.dual_temperature_terms(q, k, TAU, tau_beta, queue)
-    assert torch.allclose(la.exp(), w_alpha, atol=1e-14) and torch.allclose(lb.exp(), w_beta, atol=1e-14)
+    assert torch.allclose(w_alpha_out, w_alpha, atol=1e-14)
+    assert torch.allclose(w_beta_out, w_beta, atol=1e-14)
 
 
 def test_tau_beta_to_infinity_weights_every_anchor_equally():
@@ -126,62 +132,84 @@ def test_tau_beta_to_infinity_weights_every_anchor_equally():
     the DCL gradient: the inter-anchor hardness-awareness is gone."""
     q, k, queue = embeddings()
     n_neg = len(queue)
-    loss = mss.dual_temperature_loss(q, k, TAU, 1e9, queue)
-    _, _, log_w_beta = mss.dual_temperature_terms(q, k, TAU, 1e9, queue)
-    assert torch.allclose(log_w_beta.exp(), torch.full((len(q),), n_neg / (n_neg + 1), dtype=torch.float64), atol=1e-8)
+    loss, (_, w_beta) = mss.dual_temperature_loss(q, k, TAU, 1e9, queue)
+    expected = torch.full((len(q),), n_neg / (n_neg + 1), dtype=torch.float64)
+    assert torch.allclose(w_beta, expected, atol=1e-8)
     dcl = n_neg / (n_neg + 1) * reference_dcl(reference_logits(q, k, queue), TAU).mean()
     assert torch.allclose(grad(loss, q), grad(dcl, q), atol=1e-8)
 
 
+def test_anchor_weight_keeps_its_precision_in_float32_when_p_plus_is_near_one():
+    """q_i = k_i and every negative opposite: p_+ = 1 / (1 + K e^(-2/tau)), and 1 - p_+ ~ 2e-8
+    rounds to 0 in float32, so W must be computed in log space; the loss stays finite, W exact."""
+    q = torch.tensor([[0.6, 0.8], [0.6, 0.8]])  # (2, 2) unit vectors
+    queue = -q[:1].repeat(10, 1)  # (10, 2): every negative at similarity -1
+    loss, (w_alpha, w_beta) = mss.dual_temperature_loss(q, q, TAU, 1.0, queue)
+    n_neg = len(queue)
+    exact_alpha = n_neg * math.exp(-2 / TAU) / (1 + n_neg * math.exp(-2 / TAU))
+    assert torch.allclose(w_alpha, torch.full((2,), exact_alpha), rtol=1e-5, atol=0)
+    assert w_alpha.dtype == torch.float32 and torch.isfinite(loss)
+    assert torch.allclose(w_beta, torch.full((2,), 10 * math.exp(-2) / (1 + 10 * math.exp(-2))))
+
+
 def test_r_plus_entropy_is_the_entropy_of_the_relative_anchor_weights():
-    """H(r_+) = -sum_i r_i log r_i with r_i = W_i / sum_j W_j (DT Fig. 3); equal weights give log B."""
-    q, k, queue = embeddings()
-    _, log_w_alpha, log_w_beta = mss.dual_temperature_terms(q, k, 0.1, 0.5, queue)
-    mean_alpha, mean_beta, entropy = mss.anchor_weight_stats(log_w_alpha, log_w_beta)
-    r = log_w_beta.exp() / log_w_beta.exp().sum()
-    assert torch.allclose(entropy, -(r * r.log()).sum(), atol=1e-13)
-    assert torch.allclose(mean_alpha, log_w_alpha.exp().mean()) and torch.allclose(mean_beta, log_w_beta.exp().mean())
-    flat = torch.full((7,), -0.3, dtype=torch.float64)
+    """H(r_+) = -sum_i r_i log r_i with r_i = W_i(tau_beta) / sum_j W_j(tau_beta) (DT Fig. 3).
+
+    W(tau_beta) = (0.1, 0.1, 0.2): r = (1/4, 1/4, 1/2), H = 2 (1/4) log 4 + (1/2) log 2 = 1.5 log 2.
+    W(tau_alpha) is equal for all three anchors (H would be log 3): the entropy uses tau_beta's."""
+    w_alpha = torch.tensor([0.3, 0.3, 0.3], dtype=torch.float64)
+    w_beta = torch.tensor([0.1, 0.1, 0.2], dtype=torch.float64)
+    mean_alpha, mean_beta, entropy = mss.anchor_weight_stats(w_alpha, w_beta)
+    assert torch.allclose(entropy, 1.5 * torch.tensor(2.0, dtype=torch.float64).log(), atol=1e-15)
+    assert torch.allclose(mean_alpha, torch.tensor(0.3, dtype=torch.float64), atol=1e-15)
+    assert torch.allclose(mean_beta, torch.tensor(0.4 / 3, dtype=torch.float64), atol=1e-15)
+    flat = torch.full((7,), 0.6, dtype=torch.float64)  # equal weights: the maximum, log 7
     assert torch.allclose(mss.anchor_weight_stats(flat, flat)[2], torch.tensor(7.0).log().double())
 
 
-# ------------------------------------------------------------------------------ queue and momentum encoder
+# ----------------------------------------------------------------- queue and momentum encoder
 
 def test_queue_is_fifo_and_wraps_around_without_dropping_keys():
-    """K = 10, 4 keys per step: step 3 writes rows 8, 9, 0, 1; rows 2, 3 still hold step 1's keys."""
+    """K = 10, 4 keys per step: step 3 writes rows 8, 9, 0, 1; rows 2, 3 still hold step 1's."""
     queue = mss.KeyQueue(10, 3)
     steps = [torch.randn(4, 3) for _ in range(3)]
     for keys in steps:
-        queue.enqueue(keys)
-    assert torch.equal(queue.keys[4:8], steps[1])
-    assert torch.equal(queue.keys[8:10], steps[2][:2]) and torch.equal(queue.keys[0:2], steps[2][2:])
-    assert torch.equal(queue.keys[2:4], steps[0][2:])
+        queue.push(keys)
+    assert torch.equal(queue.rows[4:8], steps[1])
+    assert torch.equal(queue.rows[8:10], steps[2][:2])
+    assert torch.equal(queue.rows[0:2], steps[2][2:])
+    assert torch.equal(queue.rows[2:4], steps[0][2:])
     assert queue.ptr.item() == 2
 
 
-def test_queue_size_is_checked_against_the_keys_one_step_enqueues(capsys):
-    """K must hold one step's keys (the global batch, twice with --symmetric); divisibility is not needed."""
+def test_queue_size_is_checked_against_the_keys_one_step_pushes(capsys):
+    """Each queue must hold one step's keys (the global batch; with --symmetric each of the two
+    queues gets one view's keys, so the bound is the same); divisibility is not needed."""
     base = ["--method", "mocov2", "--batch-size", "256"]
-    with pytest.raises(SystemExit) as error:
-        mss.parse_args(base + ["--queue-size", "200"])
-    assert error.value.code == 2 and "--queue-size 200 is smaller than the 256 keys" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        mss.parse_args(base + ["--queue-size", "300", "--symmetric"])
-    assert mss.parse_args(base + ["--queue-size", "300"]).queue_size == 300  # 300 % 256 != 0: wraps around
-    assert mss.parse_args(["--method", "simmoco", "--queue-size", "1"]).tau_beta == 1.0  # no queue: no check
-    assert mss.parse_args(base).tau_beta == 0.1  # MoCo v2 is plain InfoNCE unless --tau-beta is given
+    for extra in ([], ["--symmetric"]):
+        with pytest.raises(SystemExit) as error:
+            mss.parse_args(base + extra + ["--queue-size", "200"])
+        message = "--queue-size 200 is smaller than the 256 keys"
+        assert error.value.code == 2 and message in capsys.readouterr().err
+        # 300 % 256 != 0: wraps around
+        assert mss.parse_args(base + extra + ["--queue-size", "300"]).queue_size == 300
+    assert mss.parse_args(["--method", "simmoco", "--queue-size", "1"]).tau_beta == 1.0  # no check
+    assert mss.parse_args(base).tau_beta == 0.1  # MoCo v2: plain InfoNCE unless --tau-beta
 
 
 def tiny_setup(method, symmetric, ctx, queue_size=20, seed=0):
-    """A tiny encoder (float64), its momentum encoder and queue, built as main() builds them."""
+    """A tiny encoder (float64), its momentum encoder and queues, built as main() builds them."""
     torch.manual_seed(seed)
     model = mss.Encoder("resnet18", 4, 8, proj_hidden=16, proj_dim=8)
     key_encoder = mss.momentum_encoder(model, ctx) if method != "simco" else None
-    queue = mss.KeyQueue(queue_size, 8) if method == "mocov2" else None
+    queues = None
+    if method == "mocov2":
+        queues = torch.nn.ModuleList(mss.KeyQueue(queue_size, 8) for _ in range(1 + symmetric))
     net = common.distribute(model, ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
-    args = argparse.Namespace(method=method, symmetric=symmetric, tau_alpha=0.1, tau_beta=0.5, key_momentum=0.9)
-    return model, net, key_encoder, queue, optimizer, args
+    args = argparse.Namespace(method=method, symmetric=symmetric, tau_alpha=0.1, tau_beta=0.5,
+                              key_momentum=0.9)
+    return model, net, key_encoder, queues, optimizer, args
 
 
 def step_views(step, global_batch=8, rank=0, world=1):
@@ -193,34 +221,39 @@ def step_views(step, global_batch=8, rank=0, world=1):
 
 def test_momentum_encoder_is_ema_of_the_query_encoder_and_queue_gets_its_keys_without_gradient():
     """After a step: theta_k = m theta_k_old + (1 - m) theta_q (parameter by parameter); the queue's
-    new rows are the normalised keys k = f_k(x2) of the step; the queue and key encoder get no gradient."""
+    new rows are the normalised keys k = f_k(x2) of the step; the queue and key encoder get no
+    gradient."""
     ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
     with float64():
-        model, net, key_encoder, queue, optimizer, args = tiny_setup("mocov2", False, ctx)
+        model, net, key_encoder, queues, optimizer, args = tiny_setup("mocov2", False, ctx)
         views = step_views(0)
         for p in model.parameters():  # make query and key encoder differ
             p.data.add_(0.1 * torch.randn_like(p))
         old = [p.clone() for p in key_encoder.parameters()]
         with torch.no_grad():
             expected_keys = F.normalize(mss.momentum_encoder(key_encoder, ctx)(views[1]), dim=1)
-        mss.train_step(net, optimizer, views, args, ctx, key_encoder, queue)
+        mss.train_step(net, optimizer, views, args, ctx, key_encoder, queues)
     for p_k, p_old, p_q in zip(key_encoder.parameters(), old, model.parameters()):
         assert torch.allclose(p_k, 0.9 * p_old + 0.1 * p_q, atol=1e-14, rtol=0)
         assert not p_k.requires_grad and p_k.grad is None
-    assert torch.allclose(queue.keys[:8], expected_keys, atol=1e-13)
-    assert queue.ptr.item() == 8 and not queue.keys.requires_grad and queue.keys.grad is None
+    (queue,) = queues
+    assert torch.allclose(queue.rows[:8], expected_keys, atol=1e-13)
+    assert queue.ptr.item() == 8 and not queue.rows.requires_grad and queue.rows.grad is None
 
 
-def test_simco_loss_is_symmetric_with_gradient_through_both_views():
-    """SimCo: (L(z1, z2) + L(z2, z1)) / 2 with z1, z2 from one encoder; no momentum encoder, no queue."""
+def test_simco_loss_is_symmetric_with_gradient_through_both_views_each_its_own_forward_pass():
+    """SimCo: (L(z1, z2) + L(z2, z1)) / 2 with z1, z2 from one encoder; no momentum encoder, no
+    queue. z1 and z2 come from separate forward passes (BatchNorm statistics per view, as
+    solo-learn's per-crop forward); one pass over both views would normalise over 2b images."""
     ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
     with float64():
         model, net, _, _, optimizer, args = tiny_setup("simco", False, ctx)
         views = step_views(0)
         for group in optimizer.param_groups:
             group.update(lr=0.0, weight_decay=0.0)
-        z1, z2 = model(torch.cat(views)).chunk(2)
-        expected = (mss.dual_temperature_loss(z1, z2, 0.1, 0.5) + mss.dual_temperature_loss(z2, z1, 0.1, 0.5)) / 2
+        z1, z2 = model(views[0]), model(views[1])
+        expected = (mss.dual_temperature_loss(z1, z2, 0.1, 0.5)[0]
+                    + mss.dual_temperature_loss(z2, z1, 0.1, 0.5)[0]) / 2
         g_expected = torch.autograd.grad(expected, list(model.parameters()))
         loss, _ = mss.train_step(net, optimizer, views, args, ctx)
     assert torch.allclose(loss, expected.detach(), atol=1e-14)
@@ -228,49 +261,81 @@ def test_simco_loss_is_symmetric_with_gradient_through_both_views():
         assert torch.allclose(p.grad, g, atol=1e-12)
 
 
-# ------------------------------------------------------------------------------ 2 processes == 1 process
+@pytest.mark.parametrize("method", ["mocov2", "simmoco"])
+def test_symmetric_pairs_q1_with_k2_and_q2_with_k1_mocov2_with_two_queues(method):
+    """MoCo v2+ / SimMoCo+: (L(q1, k2) + L(q2, k1)) / 2, each view its own forward pass.
 
-METHODS = [("mocov2", False), ("mocov2", True), ("simmoco", False), ("simmoco", True), ("simco", False)]
+    MoCo v2+ keeps two queues, as official mocov2plus: q1's negatives are past k2's (queue 0), q2's
+    past k1's (queue 1); after the step k2 is pushed onto queue 0 and k1 onto queue 1."""
+    ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
+    with float64():
+        model, net, key_encoder, queues, optimizer, args = tiny_setup(method, True, ctx)
+        views = step_views(0)
+        with torch.no_grad():
+            frozen = mss.momentum_encoder(key_encoder, ctx)  # a copy: BatchNorm stats stay apart
+            k1, k2 = (F.normalize(frozen(v), dim=1) for v in views)
+            q1, q2 = model(views[0]), model(views[1])
+        past_k2, past_k1 = (None, None) if queues is None else (q.rows.clone() for q in queues)
+
+        def loss_with(queue_1, queue_2):
+            return (mss.dual_temperature_loss(q1, k2, 0.1, 0.5, queue_1)[0]
+                    + mss.dual_temperature_loss(q2, k1, 0.1, 0.5, queue_2)[0]) / 2
+        loss, _ = mss.train_step(net, optimizer, views, args, ctx, key_encoder, queues)
+    assert torch.allclose(loss, loss_with(past_k2, past_k1), atol=1e-13)
+    if method == "mocov2":
+        assert not torch.allclose(loss, loss_with(past_k1, past_k2), atol=1e-6)  # not swapped
+        assert torch.allclose(queues[0].rows[:8], k2, atol=1e-13)
+        assert torch.allclose(queues[1].rows[:8], k1, atol=1e-13)
+        assert torch.equal(queues[0].rows[8:], past_k2[8:]) and queues[0].ptr.item() == 8
+
+
+# -------------------------------------------------------------------- 2 processes == 1 process
+
+METHODS = [("mocov2", False), ("mocov2", True), ("simmoco", False), ("simmoco", True),
+           ("simco", False)]
 
 
 def losses_on(q, k, queue, rank=0, world=1):
-    """Each loss variant on this rank's rows: value, grad on q, grad on k (None without gradient)."""
+    """Each loss variant on this rank's rows: value, grad on q, grad on k (None without grad)."""
     b = len(q) // world
     out = []
-    for name, keys_need_grad, negatives in (("mocov2", False, queue), ("simmoco", False, None), ("simco", True, None)):
+    variants = (("mocov2", False, queue), ("simmoco", False, None), ("simco", True, None))
+    for name, keys_need_grad, negatives in variants:
         q_mine = q[rank * b:(rank + 1) * b].clone().requires_grad_()
         k_mine = k[rank * b:(rank + 1) * b].clone().requires_grad_(keys_need_grad)
-        loss = mss.dual_temperature_loss(q_mine, k_mine, TAU, 1.0, negatives)
+        loss, _ = mss.dual_temperature_loss(q_mine, k_mine, TAU, 1.0, negatives)
         loss.backward()
         out.append((name, loss.detach(), q_mine.grad, k_mine.grad))
     return out
 
 
 def run_steps(method, symmetric, rank=0, world=1, steps=3):
-    """Three real train_steps; returns losses, diagnostics and every state that must match 1 process."""
+    """Three real train_steps; returns losses, diagnostics and every state that must match."""
     ctx = common.Context(rank, world, 0, torch.device("cpu"), out="", amp=False)
-    model, net, key_encoder, queue, optimizer, args = tiny_setup(method, symmetric, ctx)
+    model, net, key_encoder, queues, optimizer, args = tiny_setup(method, symmetric, ctx)
     losses, stats = [], []
     for step in range(steps):
-        loss, stat = mss.train_step(net, optimizer, step_views(step, 8, rank, world), args, ctx, key_encoder, queue)
+        views = step_views(step, 8, rank, world)
+        loss, stat = mss.train_step(net, optimizer, views, args, ctx, key_encoder, queues)
         losses.append(loss)
         stats.append(torch.stack(stat))
     return {"losses": torch.stack(losses), "stats": torch.stack(stats), "model": model.state_dict(),
-            "key_encoder": key_encoder.state_dict() if key_encoder else {}, "queue": queue.state_dict() if queue else {}}
+            "key_encoder": key_encoder.state_dict() if key_encoder else {},
+            "queues": queues.state_dict() if queues else {}}
 
 
 def smoke_variants():
-    return [["--method", "mocov2", "--symmetric", "--queue-size", "40"], ["--method", "simmoco"], ["--method", "simco"]]
+    return [["--method", "mocov2", "--symmetric", "--queue-size", "40"], ["--method", "simmoco"],
+            ["--method", "simco"]]
 
 
-def _worker_two_processes():
-    """Runs in each of 2 gloo processes: the losses, three train steps per method, and main() per method."""
+def _worker_two_processes(base):
+    """Runs in each of 2 gloo processes: the losses, three train steps and main() per method."""
     rank, world = dist.get_rank(), dist.get_world_size()
     with float64():
         q, k, queue = embeddings(b=8, d=5, k=11, seed=3)
         losses = losses_on(q.detach(), k.detach(), queue, rank, world)
         steps = {f"{m}{'+' if s else ''}": run_steps(m, s, rank, world) for m, s in METHODS}
-    base = os.environ["MSS_SMOKE_BASE"]
     for i, extra in enumerate(smoke_variants()):
         mss.main(smoke_args(os.path.join(base, "data"), os.path.join(base, f"dist{i}"), *extra))
     return {"losses": losses, "steps": steps}
@@ -280,16 +345,13 @@ def _worker_two_processes():
 def two_processes(tmp_path_factory, tiny_folder):
     base = tmp_path_factory.mktemp("mss_dist")
     os.symlink(tiny_folder, base / "data")
-    os.environ["MSS_SMOKE_BASE"] = str(base)
-    try:
-        return run_distributed("test_moco_simmoco_simco", "_worker_two_processes", base), base
-    finally:
-        del os.environ["MSS_SMOKE_BASE"]
+    return run_distributed("test_moco_simmoco_simco", "_worker_two_processes", base, base), base
 
 
 def test_two_processes_equal_one_process_loss_and_gradients(two_processes):
-    """mean over ranks of the rank losses == 1-process loss; rank grad / 2 == its rows of the 1-process
-    grad, for the queue (MoCo v2), momentum-key (SimMoCo) and same-encoder-key (SimCo) negatives."""
+    """mean over ranks of the rank losses == 1-process loss; rank grad / 2 == its rows of the
+    1-process grad, for the queue (MoCo v2), momentum-key (SimMoCo) and same-encoder-key (SimCo)
+    negatives."""
     results, _ = two_processes
     with float64():
         q, k, queue = embeddings(b=8, d=5, k=11, seed=3)
@@ -303,84 +365,68 @@ def test_two_processes_equal_one_process_loss_and_gradients(two_processes):
 
 @pytest.mark.parametrize("method,symmetric", METHODS)
 def test_two_processes_equal_one_process_after_three_steps(two_processes, method, symmetric):
-    """Parameters, momentum encoder, queue (all ranks' keys, in one process's order) and the
-    diagnostics after 3 train_steps of a 2-process run equal one process on the whole batch."""
+    """Parameters, momentum encoder, queues (all ranks' keys, in one process's order; MoCo v2+ has
+    two) and the diagnostics after 3 train_steps of a 2-process run equal one process on the whole
+    batch."""
     results, _ = two_processes
     with float64():
         reference = run_steps(method, symmetric)
     key = f"{method}{'+' if symmetric else ''}"
     ranks = [r["steps"][key] for r in results]
-    assert torch.allclose((ranks[0]["losses"] + ranks[1]["losses"]) / 2, reference["losses"], atol=1e-12)
+    mean_loss = (ranks[0]["losses"] + ranks[1]["losses"]) / 2
+    assert torch.allclose(mean_loss, reference["losses"], atol=1e-12)
     for r in ranks:
         assert torch.allclose(r["stats"], reference["stats"], atol=1e-12)
-        for part in ("model", "key_encoder", "queue"):
+        for part in ("model", "key_encoder", "queues"):
             assert r[part].keys() == reference[part].keys()
             for name, value in reference[part].items():
-                assert torch.allclose(r[part][name].double(), value.double(), atol=1e-10), (part, name)
+                close = torch.allclose(r[part][name].double(), value.double(), atol=1e-10)
+                assert close, (part, name)
 
 
-def check_run_folder(out, method, world=1):
-    assert {"config.json", "metrics.jsonl", "checkpoint.pt", "backbone.pt", "results.json"} <= set(os.listdir(out))
-    with open(os.path.join(out, "config.json")) as f:
-        config = json.load(f)
-    assert config["method"] == method and config["world_size"] == world
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        lines = [json.loads(line) for line in f]
-    assert len(lines) == config["epochs"]
-    assert "knn_top1" in lines[-1]
-    for line in lines:
-        assert {"loss", "w_alpha", "w_beta", "r_plus_entropy"} <= line.keys()
-        assert 0 < line["w_alpha"] < 1 and 0 < line["w_beta"] < 1 and line["r_plus_entropy"] > 0
+def check_mss_run_folder(out, method, world=1):
+    config, lines, results = check_run_folder(out)
+    args = config["args"]
+    assert args["method"] == method and config["world_size"] == world
+    assert "knn_top1" in lines[-1] and "linear_top1" in results
+    anchors = args["batch_size"] * (2 if method == "simco" or args["symmetric"] else 1)
+    for line in lines:  # W = 1 - p_+ in (0, 1); H(r_+) at most log(anchors of one step)
+        assert 0 < line["w_alpha"] < 1 and 0 < line["w_beta"] < 1
+        assert 0 < line["r_plus_entropy"] <= math.log(anchors) + 1e-6
     checkpoint = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)
-    assert ("queue" in checkpoint) == (method == "mocov2")
+    assert ("queues" in checkpoint) == (method == "mocov2")
+    if method == "mocov2":  # MoCo v2+ checkpoints both queues
+        assert {name.split(".")[0] for name in checkpoint["queues"]} == (
+            {"0", "1"} if args["symmetric"] else {"0"})
     assert ("key_encoder" in checkpoint) == (method != "simco")
-    with open(os.path.join(out, "results.json")) as f:
-        assert {"knn_top1", "knn_k1_top1", "linear_top1"} <= json.load(f).keys()
 
 
 def test_main_under_two_processes_writes_run_folders(two_processes):
-    """main() of every method (MoCo v2+ with a wrapping queue, SimMoCo, SimCo) under 2 gloo processes."""
+    """main() of every method (MoCo v2+ with wrapping queues, SimMoCo, SimCo) under 2 processes."""
     _, base = two_processes
     for i, extra in enumerate(smoke_variants()):
-        check_run_folder(base / f"dist{i}", extra[1], world=2)
+        check_mss_run_folder(base / f"dist{i}", extra[1], world=2)
 
 
-# ------------------------------------------------------------------------------ resume and smoke runs
-
-def test_resume_restores_queue_and_momentum_encoder(tiny_folder, tmp_path):
-    """Stop after epoch 1 and --resume == an uninterrupted 2-epoch run: model, optimizer, momentum
-    encoder and queue (size 40: not a multiple of the batch, so it wraps mid-batch) all torch.equal."""
-    extra = ["--method", "mocov2", "--queue-size", "40", "--epochs", "2", "--tau-beta", "0.5", "--eval-every", "5"]
-    mss.main(smoke_args(tiny_folder, tmp_path / "whole", *extra))
-    mss.main(smoke_args(tiny_folder, tmp_path / "parts", *extra, "--stop-after", "1"))
-    assert torch.load(tmp_path / "parts" / "checkpoint.pt", weights_only=True)["epoch"] == 1
-    mss.main(["--resume", str(tmp_path / "parts"), "--data-dir", str(tiny_folder), "--device", "cpu", "--workers", "0"])
-    whole = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=True)
-    parts = torch.load(tmp_path / "parts" / "checkpoint.pt", weights_only=True)
-    assert parts["epoch"] == 2 and parts["queue"]["ptr"].item() != 0
-    check_run_folder(tmp_path / "whole", "mocov2")
-    for part in ("model", "key_encoder", "queue"):
-        for name, value in whole[part].items():
-            assert torch.equal(parts[part][name], value), (part, name)
-    for a, b in zip(whole["optimizer"]["state"].values(), parts["optimizer"]["state"].values()):
-        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
-
+# ------------------------------------------------------------------------ resume and smoke runs
 
 def test_simmoco_symmetric_main_writes_run_folder(tiny_folder, tmp_path):
     """SimMoCo+ (the variant no other run covers) in one process."""
     mss.main(smoke_args(tiny_folder, tmp_path / "run", "--method", "simmoco", "--symmetric"))
-    check_run_folder(tmp_path / "run", "simmoco")
+    check_mss_run_folder(tmp_path / "run", "simmoco")
 
 
 def test_script_runs_as_python(tiny_folder, tmp_path):
-    done = run_script("moco_simmoco_simco.py", smoke_args(tiny_folder, tmp_path / "run", "--method", "simco"))
+    args = smoke_args(tiny_folder, tmp_path / "run", "--method", "simco")
+    done = run_script("moco_simmoco_simco.py", args)
     assert done.returncode == 0, done.stderr[-3000:]
-    check_run_folder(tmp_path / "run", "simco")
+    check_mss_run_folder(tmp_path / "run", "simco")
 
 
 def test_script_runs_under_torchrun(tiny_folder, tmp_path):
-    args = smoke_args(tiny_folder, tmp_path / "run", "--method", "mocov2", "--queue-size", "48", "--tau-beta", "1.0")
+    args = smoke_args(tiny_folder, tmp_path / "run", "--method", "mocov2", "--queue-size", "48",
+                      "--tau-beta", "1.0")
     done = run_script("moco_simmoco_simco.py", args, nproc=2)
     assert done.returncode == 0, done.stderr[-3000:]
-    check_run_folder(tmp_path / "run", "mocov2", world=2)
+    check_mss_run_folder(tmp_path / "run", "mocov2", world=2)
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import common
 import nnclr_dcl
 from helpers import run_distributed, run_script, smoke_args
-from nnclr_dcl import SupportSet, anchor_losses, dclw_weights, nearest_neighbour, nnclr_loss
+from nnclr_dcl import SupportSet, dclw_weights, nearest_neighbour, nnclr_loss
 
 TAU = 0.1
 SMALL_HEADS = ("--proj-hidden", "32", "--pred-hidden", "32", "--proj-dim", "16")
@@ -38,9 +38,10 @@ def random_support_set(q=20, d=8, seed=1):
 
 def brute_force_nn(z, support_set):
     """NN(z) = argmax_{s in Q} cos(z, s), one row at a time."""
-    rows = [max(range(len(support_set)), key=lambda k: F.cosine_similarity(zi, support_set[k], dim=0).item())
-            for zi in z]
-    return support_set[rows]
+    def nearest(zi):
+        return max(range(len(support_set)),
+                   key=lambda k: F.cosine_similarity(zi, support_set[k], dim=0).item())
+    return support_set[[nearest(zi) for zi in z]]
 
 
 def naive_losses(a1, a2, p1, p2, temperature, loss, sigma=0.5):
@@ -62,7 +63,7 @@ def naive_losses(a1, a2, p1, p2, temperature, loss, sigma=0.5):
 
 
 def npc_multiplier(a1, a2, p1, p2, temperature=TAU):
-    """q_i = 1 - exp(pos) / (exp(pos) + U_i) per anchor (DCL Eq. 8 with the NN positives) -> (2B,)."""
+    """q_i = 1 - exp(pos) / (exp(pos) + U_i) per anchor (DCL Eq. 8, NN positives) -> (2B,)."""
     with torch.no_grad():
         dcl = naive_losses(a1, a2, p1, p2, temperature, "dcl")
         infonce = naive_losses(a1, a2, p1, p2, temperature, "infonce")
@@ -70,10 +71,10 @@ def npc_multiplier(a1, a2, p1, p2, temperature=TAU):
         return torch.exp(dcl - infonce)
 
 
-def prediction_gradients(nn1, nn2, p1, p2, anchor, loss, sigma=0.5):
+def prediction_gradients(z1, z2, p1, p2, support_set, anchor, loss, sigma=0.5):
     """Autograd gradient of one anchor's loss with respect to p1 and p2."""
     p1, p2 = p1.clone().requires_grad_(), p2.clone().requires_grad_()
-    anchor_losses(nn1, nn2, p1, p2, TAU, loss, sigma)[anchor].backward()
+    nnclr_loss(z1, z2, p1, p2, support_set, TAU, loss, sigma, reduction="none")[anchor].backward()
     return p1.grad, p2.grad
 
 
@@ -103,7 +104,8 @@ def test_support_set_holding_the_batch_gives_the_plain_loss(loss):
     fast.backward()
     plain.backward()
     assert torch.allclose(fast, plain, atol=1e-12)
-    assert torch.allclose(a1.grad, n1.grad, atol=1e-12) and torch.allclose(a2.grad, n2.grad, atol=1e-12)
+    assert torch.allclose(a1.grad, n1.grad, atol=1e-12)
+    assert torch.allclose(a2.grad, n2.grad, atol=1e-12)
     if loss == "infonce":  # and InfoNCE is the cross-entropy of picking p_i^(2) among the batch
         logits = z1 @ F.normalize(p2, dim=1).T / TAU
         expect = (F.cross_entropy(logits, torch.arange(6)) +
@@ -112,48 +114,52 @@ def test_support_set_holding_the_batch_gives_the_plain_loss(loss):
 
 
 @pytest.mark.parametrize("loss", ["infonce", "dcl", "dclw"])
-def test_fast_loss_equals_explicit_formula_with_nn_positives(loss):
-    """With a support set of other vectors, the masked batched loss equals the anchor-by-anchor
-    formula with the brute-force neighbours as anchors, value and gradient."""
+def test_loss_equals_a_per_anchor_loop_with_nn_positives(loss):
+    """With a support set of other vectors, the masked loss equals the anchor-by-anchor formula
+    with the brute-force neighbours as anchors: each anchor's value, the mean and the gradient."""
     z1, z2, p1, p2 = views_and_predictions(seed=3)
     support_set = random_support_set(seed=4)
     nn1, nn2 = brute_force_nn(z1, support_set), brute_force_nn(z2, support_set)
     assert not torch.equal(nn1, F.normalize(z1, dim=1))
     a1, a2 = p1.clone().requires_grad_(), p2.clone().requires_grad_()
     n1, n2 = p1.clone().requires_grad_(), p2.clone().requires_grad_()
-    fast = anchor_losses(nn1, nn2, a1, a2, TAU, loss)
+    masked = nnclr_loss(z1, z2, a1, a2, support_set, TAU, loss, reduction="none")
     naive = naive_losses(nn1, nn2, n1, n2, TAU, loss)
-    fast.sum().backward()
+    masked.sum().backward()
     naive.sum().backward()
-    assert torch.allclose(fast, naive, atol=1e-12)
-    assert torch.allclose(a1.grad, n1.grad, atol=1e-12) and torch.allclose(a2.grad, n2.grad, atol=1e-12)
-    assert torch.allclose(nnclr_loss(z1, z2, p1, p2, support_set, TAU, loss), naive.mean(), atol=1e-12)
+    assert torch.allclose(masked, naive, atol=1e-12)
+    assert torch.allclose(a1.grad, n1.grad, atol=1e-12)
+    assert torch.allclose(a2.grad, n2.grad, atol=1e-12)
+    mean = nnclr_loss(z1, z2, p1, p2, support_set, TAU, loss)
+    assert torch.allclose(mean, naive.mean(), atol=1e-12)
 
 
 def test_prop2_dcl_gradient_is_infonce_gradient_without_q_with_nn_positives():
-    """DCL Prop. 2 with NN positives: grad InfoNCE_i = q_i * grad L_DC,i for every prediction, every anchor."""
+    """DCL Prop. 2 with NN positives: grad InfoNCE_i = q_i * grad L_DC,i for every prediction and
+    every anchor."""
     z1, z2, p1, p2 = views_and_predictions(seed=5)
     support_set = random_support_set(seed=6)
     nn1, nn2 = nearest_neighbour(z1, support_set), nearest_neighbour(z2, support_set)
     q = npc_multiplier(nn1, nn2, p1, p2)
     for anchor in range(2 * len(z1)):
-        n1, n2 = prediction_gradients(nn1, nn2, p1, p2, anchor, "infonce")
-        d1, d2 = prediction_gradients(nn1, nn2, p1, p2, anchor, "dcl")
+        n1, n2 = prediction_gradients(z1, z2, p1, p2, support_set, anchor, "infonce")
+        d1, d2 = prediction_gradients(z1, z2, p1, p2, support_set, anchor, "dcl")
         assert torch.allclose(n1, q[anchor] * d1, atol=1e-12)
         assert torch.allclose(n2, q[anchor] * d2, atol=1e-12)
         assert max(d1.abs().max(), d2.abs().max()) > 1e-3  # the identity is not 0 = 0
 
 
 def test_infonce_equals_dcl_minus_log_q_with_nn_positives():
-    """Value: InfoNCE_i = L_DC,i - log q_i, with q_i = 1 - exp(pos)/(exp(pos) + U_i) computed from its
-    definition; hence DCL <= InfoNCE anchor by anchor."""
+    """Value: InfoNCE_i = L_DC,i - log q_i, with q_i = 1 - exp(pos)/(exp(pos) + U_i) computed from
+    its definition; hence DCL <= InfoNCE anchor by anchor."""
     z1, z2, p1, p2 = views_and_predictions(seed=7)
     support_set = random_support_set(seed=8)
     nn1, nn2 = nearest_neighbour(z1, support_set), nearest_neighbour(z2, support_set)
     p2n = F.normalize(p2, dim=1)
     pos = torch.exp(nn1 @ p2n.T / TAU)  # (B, B): column j is exp(<NN(z_i^(1)), p_j^(2)>/tau)
     q1 = 1 - pos.diagonal() / pos.sum(1)  # the first direction's anchors, straight from Eq. 8
-    infonce, dcl = anchor_losses(nn1, nn2, p1, p2, TAU, "infonce"), anchor_losses(nn1, nn2, p1, p2, TAU, "dcl")
+    infonce = nnclr_loss(z1, z2, p1, p2, support_set, TAU, "infonce", reduction="none")
+    dcl = nnclr_loss(z1, z2, p1, p2, support_set, TAU, "dcl", reduction="none")
     assert torch.allclose(infonce[:6], dcl[:6] - torch.log(q1), atol=1e-12)
     assert torch.allclose(infonce, dcl - torch.log(npc_multiplier(nn1, nn2, p1, p2)), atol=1e-12)
     assert (dcl < infonce).all()
@@ -162,20 +168,21 @@ def test_infonce_equals_dcl_minus_log_q_with_nn_positives():
 @pytest.mark.parametrize("sigma", [0.1, 0.5, 2.0])
 def test_dclw_weights_have_mean_one(sigma):
     """E[w] = 1 per direction for any sigma; the hardest positive pair gets the largest weight."""
-    similarity = 2 * torch.rand(2, 32, generator=torch.Generator().manual_seed(9), dtype=torch.float64) - 1
-    w = dclw_weights(similarity, sigma)
+    g = torch.Generator().manual_seed(9)
+    similarity = 2 * torch.rand(2, 32, generator=g, dtype=torch.float64) - 1  # (direction, B)
+    w = torch.stack([dclw_weights(s, sigma) for s in similarity])  # one call per direction
     assert torch.allclose(w.mean(1), torch.ones(2, dtype=torch.float64), atol=1e-12)
-    assert (w.argmax(1) == similarity.argmin(1)).all() and (w.argmin(1) == similarity.argmax(1)).all()
+    assert (w.argmax(1) == similarity.argmin(1)).all()
+    assert (w.argmin(1) == similarity.argmax(1)).all()
 
 
 def test_dclw_tends_to_dcl_as_sigma_grows():
     """w -> 1 and L_DCW -> L_DC, value and gradient, as sigma -> inf; not so at sigma = 0.5."""
     z1, z2, p1, p2 = views_and_predictions(seed=10)
     support_set = random_support_set(seed=11)
-    nn1, nn2 = nearest_neighbour(z1, support_set), nearest_neighbour(z2, support_set)
     for anchor in range(2 * len(z1)):
-        w1, w2 = prediction_gradients(nn1, nn2, p1, p2, anchor, "dclw", sigma=1e9)
-        d1, d2 = prediction_gradients(nn1, nn2, p1, p2, anchor, "dcl")
+        w1, w2 = prediction_gradients(z1, z2, p1, p2, support_set, anchor, "dclw", sigma=1e9)
+        d1, d2 = prediction_gradients(z1, z2, p1, p2, support_set, anchor, "dcl")
         assert torch.allclose(w1, d1, atol=1e-7) and torch.allclose(w2, d2, atol=1e-7)
     dcl = nnclr_loss(z1, z2, p1, p2, support_set, TAU, "dcl")
     assert abs(nnclr_loss(z1, z2, p1, p2, support_set, TAU, "dclw", 1e9) - dcl) < 1e-7
@@ -206,7 +213,7 @@ def test_no_gradient_into_the_support_set_or_through_the_lookup():
 def test_support_set_is_a_fifo_that_wraps_around_without_dropping_rows():
     """Rows enter in order; past the end they wrap to the front, overwriting the oldest rows, and
     every row of a batch is kept. Stored rows carry no autograd history."""
-    support = SupportSet(5, 2, torch.device("cpu"))
+    support = SupportSet(5, 2)
     assert (support.labels == -1).all() and torch.allclose(support.z.norm(dim=1), torch.ones(5))
     batch = lambda start, n: (torch.arange(start, start + n).float()[:, None].repeat(1, 2),
                               torch.arange(start, start + n))
@@ -222,13 +229,18 @@ def test_support_set_is_a_fifo_that_wraps_around_without_dropping_rows():
         support.push(*batch(0, 6))
 
 
-def test_support_set_state_dict_round_trip():
-    a, b = SupportSet(6, 3, torch.device("cpu"), seed=1), SupportSet(6, 3, torch.device("cpu"), seed=2)
+def test_support_set_state_dict_round_trip(tmp_path):
+    """Rows, labels and the write position go through state_dict; a support set of another size
+    is refused by the checkpoint loader with a UserError."""
+    a, b = SupportSet(6, 3, seed=1), SupportSet(6, 3, seed=2)
+    assert not torch.equal(a.z, b.z)
     a.push(torch.ones(4, 3), torch.arange(4))
     b.load_state_dict(a.state_dict())
     assert torch.equal(a.z, b.z) and torch.equal(a.labels, b.labels) and a.ptr == b.ptr == 4
-    with pytest.raises(common.UserError):
-        SupportSet(7, 3, torch.device("cpu")).load_state_dict(a.state_dict())
+    ctx = common.Context(0, 1, 0, torch.device("cpu"), str(tmp_path), False)
+    common.save_checkpoint(ctx, 1, {"support_set": a})
+    with pytest.raises(common.UserError, match="support_set does not fit"):
+        common.load_checkpoint(ctx, {"support_set": SupportSet(7, 3)})
 
 
 def tiny_model():
@@ -241,7 +253,8 @@ def step_args(loss="dclw"):
 
 
 def test_train_step_minimises_nnclr_loss_then_enqueues_z1_and_counts_same_class_neighbours():
-    """train_step's loss is nnclr_loss of the model's z, p against the support set before the step;
+    """train_step's loss is nnclr_loss of the model's z, p (one forward pass per view, so a joint
+    pass with other BatchNorm statistics fails) against the support set before the step;
     afterwards the support set holds the batch's unit z^(1) at its pointer; the diagnostic counts
     labelled anchors (label >= 0) whose neighbour has their label."""
     torch.set_default_dtype(torch.float64)
@@ -252,17 +265,18 @@ def test_train_step_minimises_nnclr_loss_then_enqueues_z1_and_counts_same_class_
         g = torch.Generator().manual_seed(16)
         views = [torch.randn(6, 3, 8, 8, generator=g) for _ in range(2)]
         labels = torch.tensor([0, 1, 2, 0, -1, 1])
-        support = SupportSet(10, 8, torch.device("cpu"), seed=3)
+        support = SupportSet(10, 8, seed=3)
         support.labels[:] = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
         before = support.z.clone()
-        z, p = model(torch.cat(views))
-        expect = nnclr_loss(*z.chunk(2), *p.chunk(2), before, TAU, "dclw")
-        z = F.normalize(z.detach(), dim=1)
+        (z1, p1), (z2, p2) = model(views[0]), model(views[1])  # one BatchNorm batch per view
+        expect = nnclr_loss(z1, z2, p1, p2, before, TAU, "dclw")
+        z = F.normalize(torch.cat([z1, z2]).detach(), dim=1)
         nn_rows = (z @ before.T).argmax(1)
         anchor_labels = labels.repeat(2)
         expect_same = sum(int(a >= 0 and support.labels[r] == a)
                           for a, r in zip(anchor_labels.tolist(), nn_rows.tolist()))
-        loss, same_class, labelled = nnclr_dcl.train_step(model, optimizer, views, labels, support, step_args(), ctx)
+        loss, same_class, labelled = nnclr_dcl.train_step(model, optimizer, views, labels, support,
+                                                          step_args(), ctx)
     finally:
         torch.set_default_dtype(torch.float32)
     assert torch.allclose(loss, expect, atol=1e-12)
@@ -271,7 +285,7 @@ def test_train_step_minimises_nnclr_loss_then_enqueues_z1_and_counts_same_class_
     assert torch.equal(support.z[6:], before[6:]) and support.labels[:6].tolist() == labels.tolist()
 
 
-# ------------------------------------------------------------------------------ 2 processes == 1 process
+# ------------------------------------------------------------------------ 2 processes == 1 process
 
 def _global_batch(seed=17, n=8, d=8):
     z1, z2, p1, p2 = views_and_predictions(b=n, d=d, seed=seed)
@@ -296,16 +310,16 @@ def _train_three_steps(ctx, rows):
     model = tiny_model()
     net = common.distribute(model, ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=5e-4)
-    support = SupportSet(12, 8, torch.device("cpu"), seed=5)
+    support = SupportSet(12, 8, seed=5)
     g = torch.Generator().manual_seed(18)
     history = []
     for _ in range(3):
         views = [torch.randn(8, 3, 8, 8, generator=g)[rows] for _ in range(2)]
         labels = torch.randint(-1, 3, (8,), generator=g)[rows]
-        history.append(torch.stack([t.double() for t in nnclr_dcl.train_step(net, optimizer, views, labels, support,
-                                                                           step_args(), ctx)]))
+        out = nnclr_dcl.train_step(net, optimizer, views, labels, support, step_args(), ctx)
+        history.append(torch.stack([t.double() for t in out]))  # [loss, same class, labelled]
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return params, support.state_dict(), torch.stack(history)  # history: (3 steps, [loss, same, labelled])
+    return params, support.state_dict(), torch.stack(history)  # history: (3 steps, 3)
 
 
 def _worker():
@@ -314,9 +328,9 @@ def _worker():
     rows = slice(rank * 4, rank * 4 + 4)
     z1, z2, p1, p2, support_set = _global_batch()
     losses = _loss_and_grads(z1[rows], z2[rows], p1[rows], p2[rows], support_set)
-    support = SupportSet(12, 8, torch.device("cpu"))
-    support.push(z1[rows], torch.arange(8)[rows])
-    support.push(z2[rows], torch.arange(8, 16)[rows])
+    support = SupportSet(12, 8)
+    support.push(common.gather(z1[rows]), common.gather(torch.arange(8)[rows]))
+    support.push(common.gather(z2[rows]), common.gather(torch.arange(8, 16)[rows]))
     ctx = common.Context(rank, 2, 0, torch.device("cpu"), out="", amp=False)
     return {"losses": losses, "push": support.state_dict(), "train": _train_three_steps(ctx, rows)}
 
@@ -346,13 +360,13 @@ def test_support_set_takes_every_ranks_rows(two_processes):
     """After two pushes of a global batch of 8 into 12 rows, both ranks hold the support set of one
     process pushing all 8 rows each time: rank 0's rows then rank 1's, the second batch wrapped."""
     z1, z2, *_ = _global_batch()
-    single = SupportSet(12, 8, torch.device("cpu"))
-    single.z = single.z.double()
+    single = SupportSet(12, 8).double()
     single.push(z1, torch.arange(8))
     single.push(z2, torch.arange(8, 16))
     assert single.labels.tolist() == [12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11] and single.ptr == 4
     for rank in two_processes:
-        assert torch.equal(rank["push"]["labels"], single.labels) and rank["push"]["ptr"] == single.ptr
+        assert torch.equal(rank["push"]["labels"], single.labels)
+        assert rank["push"]["ptr"] == single.ptr
         assert torch.equal(rank["push"]["z"], single.z)
 
 
@@ -361,8 +375,8 @@ def test_two_processes_train_like_one_process(two_processes):
     weights) leave the model and the support set where 3 steps of one process leave them."""
     torch.set_default_dtype(torch.float64)
     try:
-        params, support, history = _train_three_steps(common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False),
-                                                      slice(0, 8))
+        ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
+        params, support, history = _train_three_steps(ctx, slice(0, 8))
         initial = tiny_model().state_dict()
     finally:
         torch.set_default_dtype(torch.float32)
@@ -372,11 +386,13 @@ def test_two_processes_train_like_one_process(two_processes):
             assert torch.allclose(rank_params[key], value, atol=1e-10), key
             moved = max(moved, (value.double() - initial[key]).abs().max().item())
         assert torch.allclose(rank_support["z"], support["z"], atol=1e-10)
-        assert torch.equal(rank_support["labels"], support["labels"]) and rank_support["ptr"] == support["ptr"] == 0
+        assert torch.equal(rank_support["labels"], support["labels"])
+        assert rank_support["ptr"] == support["ptr"] == 0
     ranks = torch.stack([r["train"][2] for r in two_processes])  # (2, 3, 3)
     assert torch.allclose(ranks[:, :, 0].mean(0), history[:, 0], atol=1e-10)  # losses average
     assert torch.equal(ranks[:, :, 1:].sum(0), history[:, 1:])  # diagnostic counts add up
-    assert moved > 1e-3 and history[1:, 1].sum() > 0  # the steps moved the model; some neighbours match
+    assert moved > 1e-3  # the steps moved the model
+    assert history[1:, 1].sum() > 0  # and some neighbours match
 
 
 # ------------------------------------------------------------------------------ runs
@@ -385,39 +401,20 @@ def tiny_run(folder, out, *extra):
     return smoke_args(folder, out, *SMALL_HEADS, "--support-size", "40", *extra)
 
 
-def test_resume_restores_the_support_set_exactly(tiny_folder, tmp_path):
-    """Stop after epoch 1, --resume, finish epoch 2: model, optimizer and support set are
-    bit-for-bit those of an uninterrupted 2-epoch run (4 steps of 16 per epoch into 40 rows: wraps)."""
-    short = ("--epochs", "2", "--linear-epochs", "0")
-    nnclr_dcl.main(tiny_run(tiny_folder, tmp_path / "cut", *short, "--stop-after", "1"))
-    assert not os.path.exists(tmp_path / "cut" / "results.json")
-    nnclr_dcl.main(["--resume", str(tmp_path / "cut")])
-    nnclr_dcl.main(tiny_run(tiny_folder, tmp_path / "whole", *short))
-    cut = torch.load(tmp_path / "cut" / "checkpoint.pt")
-    whole = torch.load(tmp_path / "whole" / "checkpoint.pt")
-    assert cut["epoch"] == whole["epoch"] == 2
-    assert cut["support_set"]["ptr"] == whole["support_set"]["ptr"] == 128 % 40
-    assert torch.equal(cut["support_set"]["z"], whole["support_set"]["z"])
-    assert torch.equal(cut["support_set"]["labels"], whole["support_set"]["labels"])
-    assert (whole["support_set"]["labels"] >= 0).all()  # every random initial row was replaced
-    for key, value in whole["model"].items():
-        assert torch.equal(cut["model"][key], value), key
-    for a, b in zip(cut["optimizer"]["state"].values(), whole["optimizer"]["state"].values()):
-        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
-
-
 def test_bad_input_is_a_user_error(tiny_folder, tmp_path):
     """A support set smaller than the batch, and --resume of another script's checkpoint."""
     with pytest.raises(common.UserError, match="support-size"):
         nnclr_dcl.main(smoke_args(tiny_folder, tmp_path / "a", "--support-size", "8"))
     os.makedirs(tmp_path / "b")
-    torch.save({"args": {"loss": "dcl"}, "epoch": 1, "model": {}, "script": "simclr_dcl"}, tmp_path / "b" / "checkpoint.pt")
+    foreign = {"args": {"loss": "dcl"}, "script": "simclr_dcl"}
+    (tmp_path / "b" / "config.json").write_text(json.dumps(foreign))
     with pytest.raises(common.UserError, match="made by simclr_dcl.py, not nnclr_dcl.py"):
         nnclr_dcl.main(["--resume", str(tmp_path / "b")])
 
 
 def check_run_folder(out, epochs):
-    assert {"config.json", "metrics.jsonl", "checkpoint.pt", "backbone.pt", "results.json"} <= set(os.listdir(out))
+    files = {"config.json", "metrics.jsonl", "checkpoint.pt", "backbone.pt", "results.json"}
+    assert files <= set(os.listdir(out))
     lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [line["epoch"] for line in lines] == list(range(1, epochs + 1))
     for line in lines:
@@ -447,9 +444,11 @@ def test_smoke_python_and_torchrun_agree(tiny_folder, tmp_path):
     assert "final kNN top-1 (k=200)" in one.stdout and "linear probe top-1" in one.stdout
     (line1,), _ = check_run_folder(tmp_path / "one", 1)
     (line2,), _ = check_run_folder(tmp_path / "two", 1)
-    assert abs(line1["loss"] - line2["loss"]) < 1e-4 and line1["nn_same_class"] == line2["nn_same_class"]
+    assert abs(line1["loss"] - line2["loss"]) < 1e-4
+    assert line1["nn_same_class"] == line2["nn_same_class"]
     config = json.load(open(tmp_path / "two" / "config.json"))
-    assert config["world_size"] == 2 and config["loss"] == "dclw" and config["support_size"] == 40
+    assert config["world_size"] == 2 and config["args"]["loss"] == "dclw"
+    assert config["args"]["support_size"] == 40
     s1 = torch.load(tmp_path / "one" / "checkpoint.pt")["support_set"]
     s2 = torch.load(tmp_path / "two" / "checkpoint.pt")["support_set"]
     assert s1["ptr"] == s2["ptr"] == 64 % 40 and torch.equal(s1["labels"], s2["labels"])

@@ -1,5 +1,6 @@
 """simsiam_byol_gsg.py: the GSG paper's identities, BYOL's EMA, 2 processes == 1 process,
 exact resume, and runs of every method x stop-gradient mode."""
+import argparse
 import copy
 import json
 import os
@@ -24,7 +25,8 @@ def D(p, z):
 def eight(b=6, d=5, seed=0, grad=False):
     """p11, p12, p21, p22, z11, z12, z21, z22: random (b, d) float64 tensors."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(b, d, generator=g, dtype=torch.float64).requires_grad_(grad) for _ in range(8)]
+    return [torch.randn(b, d, generator=g, dtype=torch.float64).requires_grad_(grad)
+            for _ in range(8)]
 
 
 def case_formula(c, p11, p12, p21, p22, z11, z12, z21, z22):
@@ -37,7 +39,7 @@ def case_formula(c, p11, p12, p21, p22, z11, z12, z21, z22):
 # ------------------------------------------------------------------------------ GSG identities
 
 def test_eq1_symmetric_loss_is_half_sum_of_two_terms_with_targets_stopped():
-    """L = 1/2 D(p1, sg z2) + 1/2 D(p2, sg z1); the SimSiam target z gets no gradient through the loss."""
+    """L = 1/2 D(p1, sg z2) + 1/2 D(p2, sg z1); the target z gets no gradient through the loss."""
     p1, p2, z1, z2 = eight(grad=True)[:4]
     loss = gsg.symmetric_loss(p1, p2, z1, z2)
     torch.testing.assert_close(loss, (0.5 * D(p1, z2) + 0.5 * D(p2, z1)).mean(), rtol=0, atol=1e-12)
@@ -47,10 +49,11 @@ def test_eq1_symmetric_loss_is_half_sum_of_two_terms_with_targets_stopped():
 
 
 def test_eq6_each_case_is_chosen_by_the_closest_cross_image_views_and_equals_its_formula():
-    """m = min{d(z11,z21), d(z11,z22), d(z12,z21), d(z12,z22)} picks the case; loss = that case's Eq. 6 line."""
+    """m = min{d(z11,z21), d(z11,z22), d(z12,z21), d(z12,z22)} picks the case; the loss is that
+    case's Eq. 6 line."""
     p11, p12, p21, p22, z11, z12, z21, z22 = eight(b=4, d=3, seed=1)
     e = torch.eye(3, dtype=torch.float64)
-    for c in range(4):  # pair c: views 1+c//2 of x1 and 1+c%2 of x2 nearly coincide, the others are far apart
+    for c in range(4):  # pair c: views 1+c//2 of x1 and 1+c%2 of x2 nearly coincide, others far
         near1, near2 = (z11, z12)[c // 2], (z21, z22)[c % 2]
         far1, far2 = (z12, z11)[c // 2], (z22, z21)[c % 2]
         near1[c], near2[c] = e[0], e[0] + 0.01
@@ -67,7 +70,8 @@ def test_eq6_each_case_is_chosen_by_the_closest_cross_image_views_and_equals_its
 
 
 def test_eq7_reverse_stopgrad_takes_the_two_terms_guided_leaves_out():
-    """reverse case = 3 - guided case, and guided + reverse = 1/2 (D(p11,z12)+D(p12,z11)+D(p21,z22)+D(p22,z21))."""
+    """reverse case = 3 - guided case, and
+    guided + reverse = 1/2 (D(p11,z12) + D(p12,z11) + D(p21,z22) + D(p22,z21))."""
     args = eight(b=50, seed=2)
     for i in range(50):
         row = [t[i:i + 1] for t in args]
@@ -80,17 +84,25 @@ def test_eq7_reverse_stopgrad_takes_the_two_terms_guided_leaves_out():
 
 
 def test_random_stopgrad_hits_each_case_a_quarter_of_the_time_and_is_seeded():
-    """random: P(case = c) = 1/4 for c in 0..3; the training loop draws cases from a seeded generator."""
+    """random: P(case = c) = 1/4 for c in 0..3; the training loop draws cases from a seeded
+    generator, the same global draw on every rank."""
     torch.manual_seed(0)
     args = eight(b=40000, d=2, seed=3)
     _, case = gsg.guided_stopgrad_loss(*args, mode="random")
     freq = torch.bincount(case, minlength=4).double() / len(case)
     torch.testing.assert_close(freq, torch.full((4,), 0.25, dtype=torch.float64), rtol=0, atol=0.01)
     ctx = common.Context(0, 1, 0, torch.device("cpu"), out=None, amp=False)
-    draws = [gsg.draw_pairing(64, "random", common.epoch_generator(7, 3, "cpu"), ctx) for _ in range(2)]
+    draws = [gsg.draw_pairing(64, "random", common.epoch_generators(7, 3, "cpu")[0], ctx)
+             for _ in range(2)]
     assert torch.equal(draws[0][0], draws[1][0]) and torch.equal(draws[0][1], draws[1][1])
-    assert sorted(draws[0][0].tolist()) == list(range(64))  # r is a permutation of the global batch
-    _, forced = gsg.guided_stopgrad_loss(*[t[:64] for t in args], mode="random", random_case=draws[0][1])
+    # each of 2 ranks gets its own rows of the one global draw, partners and cases alike
+    ranks = [gsg.draw_pairing(64, "random", common.epoch_generators(7, 3, "cpu")[0],
+                              common.Context(r, 2, 0, torch.device("cpu"), out=None, amp=False))
+             for r in range(2)]
+    for k in range(2):
+        assert torch.equal(torch.cat([ranks[0][k], ranks[1][k]]), draws[0][k])
+    _, forced = gsg.guided_stopgrad_loss(*[t[:64] for t in args], mode="random",
+                                         random_case=draws[0][1])
     assert torch.equal(forced, draws[0][1])
 
 
@@ -110,21 +122,24 @@ def test_gradient_reaches_only_the_two_selected_predictions(mode):
 
 
 def test_loss_in_unit_range_and_mean_of_the_four_cases_is_the_symmetric_loss():
-    """-1 <= L <= 1; mean_c L_c = Eq. 2 = 1/2 L_sym(x1) + 1/2 L_sym(x2) (each Eq. 2 term is in two cases)."""
+    """L reaches -1 and 1; mean_c L_c = Eq. 2 = 1/2 L_sym(x1) + 1/2 L_sym(x2) (each Eq. 2 term is
+    in two cases)."""
     p11, p12, p21, p22, z11, z12, z21, z22 = args = eight(b=16, seed=5)
-    cases = [gsg.guided_stopgrad_loss(*args, mode="random", random_case=torch.full((16,), c))[0] for c in range(4)]
-    eq2 = 0.5 * gsg.symmetric_loss(p11, p12, z11, z12) + 0.5 * gsg.symmetric_loss(p21, p22, z21, z22)
+    cases = [gsg.guided_stopgrad_loss(*args, mode="random", random_case=torch.full((16,), c))[0]
+             for c in range(4)]
+    eq2 = 0.5 * (gsg.symmetric_loss(p11, p12, z11, z12) + gsg.symmetric_loss(p21, p22, z21, z22))
     torch.testing.assert_close(torch.stack(cases).mean(), eq2, rtol=0, atol=1e-12)
-    for mode in ("guided", "reverse"):
-        loss, _ = gsg.guided_stopgrad_loss(*args, mode=mode)
-        assert -1 <= loss.item() <= 1
-    assert gsg.guided_stopgrad_loss(*[p11] * 8)[0].item() == pytest.approx(-1)  # p = z everywhere: the minimum
+    for mode in ("guided", "reverse"):  # the bounds are reached: p = z everywhere -1, p = -z +1
+        assert gsg.guided_stopgrad_loss(*[p11] * 8, mode=mode)[0].item() == pytest.approx(-1)
+        antipodal = gsg.guided_stopgrad_loss(*[p11] * 4, *[-p11] * 4, mode=mode)[0]
+        assert antipodal.item() == pytest.approx(1)
 
 
-# ------------------------------------------------------------------------------ model, BYOL, diagnostics
+# ---------------------------------------------------------------- model, BYOL, crops, diagnostics
 
 def test_byol_ema_update_and_cosine_schedule(float64):
-    """xi <- tau xi + (1 - tau) theta; cosine tau_k = 1 - (1 - tau_0)(cos(pi k/K) + 1)/2: tau_0 at k=0, 1 at k=K."""
+    """xi <- tau xi + (1 - tau) theta; cosine tau_k = 1 - (1 - tau_0)(cos(pi k/K) + 1)/2:
+    tau_0 at k=0, 1 at k=K."""
     torch.manual_seed(0)
     online = gsg.Encoder("resnet18", 4, 8, 8, 8)
     target = gsg.Encoder("resnet18", 4, 8, 8, 8)
@@ -138,70 +153,141 @@ def test_byol_ema_update_and_cosine_schedule(float64):
     assert gsg.ema_momentum(100, 100, 0.99, "cosine") == pytest.approx(1.0)
 
 
-def test_simsiam_target_gets_no_gradient_and_byol_target_is_not_trained(float64):
-    """SimSiam: the gradient flows through p = h(z) only, never through the sg(z) side; BYOL: SGD leaves the
-    momentum encoder alone (it moves only by EMA). --no-predictor makes p = z (Sec. 6.2)."""
+CPU = common.Context(0, 1, 0, torch.device("cpu"), out=None, amp=False)
+
+
+def test_simsiam_target_gets_no_gradient_and_byol_target_moves_only_by_ema_after_the_step(float64):
+    """SimSiam: the gradient flows through p = h(z) only, never through the sg(z) side. BYOL: after
+    train_step the target is exactly tau * old + (1 - tau) * (the online encoder after the step).
+    --no-predictor makes p = z (Sec. 6.2)."""
     torch.manual_seed(0)
-    ctx = common.Context(0, 1, 0, torch.device("cpu"), out=None, amp=False)
     args = type("Args", (), {"stopgrad": "guided"})
-    x1, x2 = torch.randn(8, 3, 8, 8), torch.randn(8, 3, 8, 8)
+    views = [torch.randn(8, 3, 8, 8) for _ in range(4)]
     model = gsg.SiameseNet("resnet18", 4, 8, 8, 8, 4)
-    z1, z2, p1, p2 = model(x1, x2)
+    (z1, z2), (p1, p2) = model(*views[:2])
     loss = gsg.symmetric_loss(p1, p2, z1, z2)
     grad_via_p = torch.autograd.grad(loss, [p1, p2], retain_graph=True)
     full = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
     only_p = torch.autograd.grad([p1, p2], list(model.parameters()), grad_outputs=grad_via_p)
     for a, b in zip(full, only_p):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-    target = gsg.Encoder("resnet18", 4, 8, 8, 8).requires_grad_(False)
-    frozen = [t.clone() for t in target.parameters()]
+    target = copy.deepcopy(model.encoder).requires_grad_(False)  # as main builds it
+    with torch.no_grad():  # the target differs from the online encoder, so the EMA is visible
+        for t in target.parameters():
+            t.add_(torch.randn_like(t))
+    old = [t.clone() for t in target.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    partner = torch.randperm(8)
-    gsg.train_step(model, target, optimizer, (x1, x2), partner, None, args, ctx)
-    assert all(torch.equal(a, b) and a.grad is None for a, b in zip(target.parameters(), frozen))
-    bare = gsg.SiameseNet("resnet18", 4, 8, 8, 8, 4, predictor=False)
-    z1, z2, p1, p2 = bare(x1, x2)
+    gsg.train_step(model, target, optimizer, views, torch.randperm(8), None, args, CPU,
+                   model.encoder, 0.9)
+    for t, o, theta in zip(target.parameters(), old, model.encoder.parameters()):
+        torch.testing.assert_close(t, 0.9 * o + 0.1 * theta, rtol=0, atol=1e-12)
+    (z1, z2), (p1, p2) = gsg.SiameseNet("resnet18", 4, 8, 8, 8, 4, predictor=False)(*views[:2])
     assert torch.equal(p1, z1) and torch.equal(p2, z2)
 
 
+def test_residual_branches_start_at_zero_and_both_projector_depths():
+    """zero_init_residual (official SimSiam / GSG code): every block's last BN weight is 0.
+    2 layers: f -> hidden -> D; 3 layers (ImageNet): f -> f -> f -> D; output BN without affine."""
+    two = gsg.Encoder("resnet18", 4, 8, proj_hidden=12, proj_dim=10)
+    blocks = [m for m in two.backbone.modules() if isinstance(m, common.BasicBlock)]
+    assert len(blocks) == 8 and all(torch.all(b.bn2.weight == 0) for b in blocks)
+    f = two.backbone.out_dim
+    three = gsg.Encoder("resnet18", 4, 8, proj_hidden=12, proj_dim=10, proj_layers=3)
+    for encoder, widths in ((two, [(f, 12), (12, 10)]), (three, [(f, f), (f, f), (f, 10)])):
+        linear = [(m.in_features, m.out_features) for m in encoder.projector
+                  if isinstance(m, torch.nn.Linear)]
+        assert linear == widths and not encoder.projector[-1].affine
+        assert encoder(torch.randn(4, 3, 8, 8)).shape == (4, 10)
+
+
+def test_byol_uses_simsiams_recipe_and_gsg_makes_four_crops():
+    """One recipe for both methods (GSG Sec. 6.1), blur 0.5 above 64 px, none at 32 px, no
+    solarisation; four crops for guided / random / reverse, two for symmetric."""
+    def make(method, stopgrad, size):
+        return gsg.recipes(argparse.Namespace(method=method, stopgrad=stopgrad, image_size=size,
+                                              crop_scale=[0.2, 1.0]))
+    for mode in MODES:
+        large = make("byol", mode, 96)
+        assert large == make("simsiam", mode, 96) and len(large) == 4
+        assert all(r.blur_p == 0.5 and r.solarize_p == 0 and r.crop_scale == (0.2, 1.0)
+                   for r in large)
+        assert all(r.blur_p == 0 for r in make("byol", mode, 32))
+    assert len(make("byol", "symmetric", 32)) == 2
+
+
+def test_partners_views_are_its_crops_2_and_3_not_its_own_pair_and_the_loss_uses_them():
+    """Every image's crops 2, 3 differ from its crops 0, 1; train_step's loss is Eq. 6 with x2's
+    views = crops 2, 3 of image r(i), and differs from using r(i)'s crops 0, 1 (two-crop scheme)."""
+    torch.manual_seed(0)
+    args = argparse.Namespace(method="simsiam", stopgrad="guided", image_size=16,
+                              crop_scale=[0.2, 1.0])
+    images = torch.randint(0, 256, (8, 3, 20, 24), dtype=torch.uint8)
+    augment = common.Augment(gsg.recipes(args), 16, (0.5,) * 3, (0.25,) * 3, CPU)
+    generator = common.epoch_generators(0, 0, "cpu")[0]
+    views = augment(images, generator)
+    for own in (0, 1):
+        for fresh in (2, 3):
+            assert (views[own] - views[fresh]).flatten(1).abs().amax(1).min() > 0.01
+    partner, _ = gsg.draw_pairing(8, "guided", generator, CPU)
+    assert (partner != torch.arange(8)).any()
+    model = gsg.SiameseNet("resnet18", 4, 16, 16, 16, 8)
+    with torch.no_grad():  # train mode, one pass per crop, as train_step
+        z = [model.encoder(v) for v in views]
+        p = [model.predictor(t) for t in z]
+    r = partner
+    expected = gsg.guided_stopgrad_loss(p[0], p[1], p[2][r], p[3][r], z[0], z[1], z[2][r], z[3][r])
+    two_crop = gsg.guided_stopgrad_loss(p[0], p[1], p[0][r], p[1][r], z[0], z[1], z[0][r], z[1][r])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss, case, _ = gsg.train_step(model, None, optimizer, views, partner, None, args, CPU)
+    torch.testing.assert_close(loss, expected[0], rtol=0, atol=1e-6)
+    assert torch.equal(case, expected[1])
+    assert (loss - two_crop[0]).abs() > 1e-3
+
+
 def test_projection_std_is_one_over_sqrt_d_when_spread_and_zero_when_collapsed():
-    """std over the batch of z/|z|, mean over dims: ~1/sqrt(D) for isotropic z, 0 for a collapsed batch."""
+    """std over the batch of z/|z|, mean over dims: ~1/sqrt(D) for isotropic z, 0 if collapsed."""
     torch.manual_seed(0)
     assert gsg.projection_std(torch.randn(20000, 64)).item() == pytest.approx(1 / 8, rel=0.02)
     assert gsg.projection_std(torch.ones(32, 64) + 1e-9 * torch.randn(32, 64)).item() < 1e-6
 
 
-# ------------------------------------------------------------------------------ 2 processes == 1 process
+# ----------------------------------------------------------------------- 2 processes == 1 process
 
 N, WIDTH, SIZE, STEPS = 8, 4, 8, 3
 
 
 def _global_inputs(seed=0, d=6):
+    """p_k, z_k (N, d) of crops k = 0..3 of the global batch, partners r and random cases."""
     g = torch.Generator().manual_seed(seed)
-    p1, p2, z1, z2 = (torch.randn(N, d, generator=g, dtype=torch.float64) for _ in range(4))
+    p = [torch.randn(N, d, generator=g, dtype=torch.float64) for _ in range(4)]
+    z = [torch.randn(N, d, generator=g, dtype=torch.float64) for _ in range(4)]
     partner = torch.randperm(N, generator=g)
     random_case = torch.randint(4, (N,), generator=g)
-    return p1, p2, z1, z2, partner, random_case
+    return p, z, partner, random_case
 
 
 def _losses_and_grads(rank, world):
-    """guided_stopgrad_loss over the global batch for every mode: this rank's loss, dL/dp1, dL/dp2 rows, case."""
-    p1, p2, z1, z2, partner, random_case = _global_inputs()
+    """Every mode's loss over the global batch: this rank's loss, dL/dp_k of its rows, cases."""
+    p, z, partner, random_case = _global_inputs()
     rows = slice(rank * N // world, (rank + 1) * N // world)
     out = {}
     for mode in ["symmetric"] + MODES:
-        q1, q2 = p1[rows].clone().requires_grad_(), p2[rows].clone().requires_grad_()
+        q = [pk[rows].clone().requires_grad_() for pk in p]
+        t = [zk[rows] for zk in z]
         if mode == "symmetric":
-            loss, case = gsg.symmetric_loss(q1, q2, z1[rows], z2[rows]), None
+            loss, case = gsg.symmetric_loss(q[0], q[1], t[0], t[1]), None
         else:
-            loss, case = gsg.global_guided_loss(q1, q2, z1[rows], z2[rows], partner[rows], mode, random_case[rows])
+            p21, p22, z21, z22 = gsg.partner_crops(q[2], q[3], t[2], t[3], partner[rows])
+            loss, case = gsg.guided_stopgrad_loss(q[0], q[1], p21, p22, t[0], t[1], z21, z22, mode,
+                                                  random_case[rows])
         loss.backward()
-        out[mode] = (loss.detach(), q1.grad, q2.grad, case)
+        grads = [torch.zeros_like(qk) if qk.grad is None else qk.grad for qk in q]
+        out[mode] = (loss.detach(), grads, case)
     return out
 
 
 def _train_steps(rank, world, method):
-    """STEPS real train_step calls (+ BYOL's EMA) on a DDP model: parameters, target, losses, cases."""
+    """STEPS four-crop guided train_step calls (BYOL: EMA inside) on a DDP model."""
     torch.manual_seed(0)
     ctx = common.Context(rank, world, 0, torch.device("cpu"), out=None, amp=False)
     model = gsg.SiameseNet("resnet18", WIDTH, SIZE, 16, 16, 8)
@@ -215,11 +301,10 @@ def _train_steps(rank, world, method):
     losses, cases = [], []
     for step in range(STEPS):
         g = torch.Generator().manual_seed(100 + step)
-        x1, x2 = torch.randn(N, 3, SIZE, SIZE, generator=g), torch.randn(N, 3, SIZE, SIZE, generator=g)
+        crops = [torch.randn(N, 3, SIZE, SIZE, generator=g)[rows] for _ in range(4)]
         partner, _ = gsg.draw_pairing(N, "guided", g, ctx)
-        loss, case, std = gsg.train_step(net, target, optimizer, (x1[rows], x2[rows]), partner, None, args, ctx)
-        if target is not None:
-            gsg.ema_update(target, model.encoder, 0.9)
+        loss, case, std = gsg.train_step(net, target, optimizer, crops, partner, None, args, ctx,
+                                         model.encoder, 0.9)
         losses.append(loss)
         cases.append(case)
     return {"model": model.state_dict(), "target": target.state_dict() if target else None,
@@ -227,7 +312,7 @@ def _train_steps(rank, world, method):
 
 
 def _worker_gsg():
-    """Rank's results in float64 for the loss-level and train-step comparisons (one torchrun launch)."""
+    """Rank's results in float64 for the loss-level and train-step comparisons (one launch)."""
     import torch.distributed as dist
     torch.set_default_dtype(torch.float64)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -237,26 +322,33 @@ def _worker_gsg():
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
-    return run_distributed("test_simsiam_byol_gsg", "_worker_gsg", tmp_path_factory.mktemp("gsg_dist"))
+    return run_distributed("test_simsiam_byol_gsg", "_worker_gsg",
+                           tmp_path_factory.mktemp("gsg_dist"))
 
 
-def test_two_processes_equal_one_loss_and_gradient_with_partners_on_the_other_rank(two_processes, float64):
-    """mean_r L_r = L, and dL_r/dp (rank r's rows) / 2 = the same rows of dL/dp, in every stop-gradient mode."""
+def test_two_processes_equal_one_loss_and_gradient_with_partners_on_the_other_rank(two_processes,
+                                                                                   float64):
+    """mean_r L_r = L, and dL_r/dp_k (rank r's rows) / 2 = the same rows of dL/dp_k for all four
+    crops, in every stop-gradient mode; the partner's crops 2, 3 send their gradient home."""
     reference = _losses_and_grads(0, 1)
-    partner = _global_inputs()[4]
+    partner = _global_inputs()[2]
     assert (partner[:N // 2] >= N // 2).any()  # some partners do live on the other rank
-    for mode, (loss, g1, g2, case) in reference.items():
+    assert reference["guided"][1][2].abs().sum() > 0  # crop 2 (x2's view) does get a gradient
+    for mode, (loss, grads, case) in reference.items():
         ranks = [result["loss"][mode] for result in two_processes]
-        torch.testing.assert_close(torch.stack([r[0] for r in ranks]).mean(), loss, rtol=0, atol=1e-12)
-        torch.testing.assert_close(torch.cat([r[1] for r in ranks]) / 2, g1, rtol=0, atol=1e-12)
-        torch.testing.assert_close(torch.cat([r[2] for r in ranks]) / 2, g2, rtol=0, atol=1e-12)
+        mean = torch.stack([r[0] for r in ranks]).mean()
+        torch.testing.assert_close(mean, loss, rtol=0, atol=1e-12)
+        for k in range(4):
+            torch.testing.assert_close(torch.cat([r[1][k] for r in ranks]) / 2, grads[k], rtol=0,
+                                       atol=1e-12)
         if case is not None:
-            assert torch.equal(torch.cat([r[3] for r in ranks]), case)
+            assert torch.equal(torch.cat([r[2] for r in ranks]), case)
 
 
 @pytest.mark.parametrize("method", ["simsiam", "byol"])
 def test_two_processes_equal_one_guided_training_steps(two_processes, float64, method):
-    """After 3 guided train_step calls (BYOL: + EMA), 2 gloo processes hold the 1-process model and target."""
+    """After 3 four-crop guided train_step calls (BYOL: + EMA), 2 gloo processes hold the
+    1-process model and target."""
     reference = _train_steps(0, 1, method)
     ranks = [result[method] for result in two_processes]
     for step in range(STEPS):
@@ -267,7 +359,8 @@ def test_two_processes_equal_one_guided_training_steps(two_processes, float64, m
     for r in ranks:
         for key in ("model", "target") if method == "byol" else ("model",):
             for name, value in reference[key].items():
-                torch.testing.assert_close(r[key][name], value, rtol=0, atol=1e-9, msg=f"{key} {name}")
+                torch.testing.assert_close(r[key][name], value, rtol=0, atol=1e-9,
+                                           msg=f"{key} {name}")
 
 
 # ------------------------------------------------------------------------------ runs of the script
@@ -278,9 +371,11 @@ def run_main(folder, out, *extra):
 
 
 @pytest.mark.parametrize("method", ["simsiam", "byol"])
-def test_every_stopgrad_mode_and_no_predictor_runs_and_logs_its_diagnostics(tiny_folder, tmp_path, method):
-    """symmetric / guided / random / reverse and guided --no-predictor: case fractions sum to 1 (none for
-    symmetric), the projection std is logged, the final report has kNN k=1; random is reproducible."""
+def test_every_stopgrad_mode_and_no_predictor_runs_and_logs_its_diagnostics(tiny_folder, tmp_path,
+                                                                            method):
+    """symmetric / guided / random / reverse and guided --no-predictor: case fractions sum to 1
+    (none for symmetric), the projection std is logged, the final report has kNN k=1; random is
+    reproducible."""
     for mode, extra in [(m, []) for m in ["symmetric"] + MODES] + [("guided", ["--no-predictor"])]:
         out = tmp_path / f"{mode}{len(extra)}"
         record = run_main(tiny_folder, out, "--method", method, "--stopgrad", mode, *extra)[-1]
@@ -289,52 +384,51 @@ def test_every_stopgrad_mode_and_no_predictor_runs_and_logs_its_diagnostics(tiny
             assert fractions == [None] * 4
         else:
             assert sum(fractions) == pytest.approx(1)
-        assert 0 <= record["proj_std"] <= 1 and ("ema" in record) == (method == "byol")
+        assert record["proj_std"] > 0 and ("ema" in record) == (method == "byol")
         assert "knn_k1_top1" in json.load(open(out / "results.json"))
-    again = run_main(tiny_folder, tmp_path / "random_again", "--method", method, "--stopgrad", "random")
+    run_main(tiny_folder, tmp_path / "random_again", "--method", method, "--stopgrad", "random")
     first = torch.load(tmp_path / "random0" / "checkpoint.pt")["model"]
     second = torch.load(tmp_path / "random_again" / "checkpoint.pt")["model"]
-    assert all(torch.equal(first[k], second[k]) for k in first) and again
+    assert all(torch.equal(first[k], second[k]) for k in first)
 
 
-def test_resume_restores_the_byol_ema_target_exactly(tiny_folder, tmp_path):
-    """--stop-after 1 then --resume equals an uninterrupted 2-epoch run: model, optimizer and EMA target."""
-    common_args = ["--method", "byol", "--stopgrad", "guided", "--epochs", "2", "--ema-schedule", "cosine"]
-    run_main(tiny_folder, tmp_path / "whole", *common_args)
-    run_main(tiny_folder, tmp_path / "split", *common_args, "--stop-after", "1")
-    # resumable options (data folder, device, workers, linear probe) come from this command line, not the checkpoint
-    gsg.main(["--resume", str(tmp_path / "split"), "--data-dir", str(tiny_folder), "--device", "cpu",
-              "--workers", "0", "--linear-epochs", "0"])
-    whole = torch.load(tmp_path / "whole" / "checkpoint.pt")
-    split = torch.load(tmp_path / "split" / "checkpoint.pt")
-    assert split["epoch"] == whole["epoch"] == 2
-    for key in ("model", "target"):
-        assert whole[key].keys() == split[key].keys()
-        assert all(torch.equal(whole[key][k], split[key][k]) for k in whole[key]), key
-    for a, b in zip(whole["optimizer"]["state"].values(), split["optimizer"]["state"].values()):
-        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+def test_imagenet_options_three_layer_projector_and_fixed_predictor_lr(tiny_folder, tmp_path):
+    """--proj-layers 3 --fix-pred-lr --schedule cosine: the predictor's group ends the run at the
+    peak lr while the encoder's has decayed (official main_simsiam.py); 3-layer projector."""
+    run_main(tiny_folder, tmp_path / "run", "--proj-layers", "3", "--fix-pred-lr",
+             "--schedule", "cosine")
+    checkpoint = torch.load(tmp_path / "run" / "checkpoint.pt")
+    peak = 0.03 * 16 / 256
+    encoder, predictor = checkpoint["optimizer"]["param_groups"]
+    assert predictor["lr"] == pytest.approx(peak) and encoder["lr"] < 0.9 * peak
+    assert "encoder.projector.6.weight" in checkpoint["model"]  # the third Linear
 
 
 def test_bad_momentum_is_an_argparse_error():
-    with pytest.raises(SystemExit):
-        gsg.parse_args(["--ema", "1.5"])
+    """--ema must lie in [0, 1): 1 would freeze the target, 1.5 would extrapolate."""
+    assert gsg.parse_args(["--ema", "0.996"]).ema == 0.996
+    for bad in ("1", "1.5", "-0.1"):
+        with pytest.raises(SystemExit):
+            gsg.parse_args(["--ema", bad])
 
 
 def check_run_folder(out, method):
-    assert {"config.json", "metrics.jsonl", "checkpoint.pt", "backbone.pt", "results.json"} <= set(os.listdir(out))
+    files = {"config.json", "metrics.jsonl", "checkpoint.pt", "backbone.pt", "results.json"}
+    assert files <= set(os.listdir(out))
     record = json.loads(open(os.path.join(out, "metrics.jsonl")).readlines()[-1])
     assert {"loss", "proj_std", *(f"case_{name}" for name in gsg.CASES)} <= record.keys()
     results = json.load(open(os.path.join(out, "results.json")))
     assert {"knn_top1", "knn_k1_top1", "linear_top1"} <= results.keys()
-    assert json.load(open(os.path.join(out, "config.json")))["method"] == method
+    assert json.load(open(os.path.join(out, "config.json")))["args"]["method"] == method
 
 
 @pytest.mark.parametrize("method,nproc", [("simsiam", 1), ("byol", 2)])
 def test_smoke_guided_run_as_python_and_torchrun(tiny_folder, tmp_path, method, nproc):
-    """The real script, guided stop-gradient, as `python` (SimSiam) and `torchrun --nproc_per_node=2` (BYOL)."""
+    """The real script, guided stop-gradient, as `python` (SimSiam) and `torchrun
+    --nproc_per_node=2` (BYOL)."""
     out = tmp_path / "run"
-    done = run_script("simsiam_byol_gsg.py", smoke_args(tiny_folder, out, "--method", method, *TINY_HEADS),
-                      nproc=nproc)
+    args = smoke_args(tiny_folder, out, "--method", method, *TINY_HEADS)
+    done = run_script("simsiam_byol_gsg.py", args, nproc=nproc)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     check_run_folder(out, method)
     assert "kNN top-1 (k=1)" in done.stdout + done.stderr

@@ -1,0 +1,262 @@
+"""Whole runs of the four scripts: exact --resume, evaluating a finished run again, weights that
+load into torchvision, streaming, image folders decoded once, and runs across processes and
+"nodes" (all on CPU, tiny models)."""
+
+import importlib
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+import torch.nn as nn
+import torchvision
+
+import common
+from helpers import ROOT, _env, check_run_folder, free_port, run_distributed, run_script, smoke_args
+
+# each script with options that exercise its own state: queue, momentum encoder, EMA target,
+# support set, streaming
+RESUMED = [
+    ("simclr_dcl", ["--loss", "dclw", "--proj-hidden", "32"]),
+    ("simclr_dcl", ["--stream", "--workers", "2", "--proj-hidden", "32"]),
+    (
+        "moco_simmoco_simco",
+        ["--method", "mocov2", "--symmetric", "--queue-size", "40", "--tau-beta", "0.5"],
+    ),  # two queues that wrap mid-batch
+    (
+        "simsiam_byol_gsg",
+        [
+            "--method",
+            "byol",
+            "--stopgrad",
+            "random",
+            "--ema-schedule",
+            "cosine",
+            "--proj-hidden",
+            "32",
+            "--proj-dim",
+            "32",
+            "--pred-hidden",
+            "8",
+        ],
+    ),
+    (
+        "nnclr_dcl",
+        ["--support-size", "40", "--proj-hidden", "32", "--proj-dim", "16", "--pred-hidden", "32"],
+    ),
+]
+
+
+def flat_tensors(obj, prefix=""):
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    if isinstance(obj, dict):
+        return {
+            k2: v2 for k, v in obj.items() for k2, v2 in flat_tensors(v, f"{prefix}/{k}").items()
+        }
+    if isinstance(obj, (list, tuple)):
+        return {
+            k2: v2 for i, v in enumerate(obj) for k2, v2 in flat_tensors(v, f"{prefix}/{i}").items()
+        }
+    return {}
+
+
+@pytest.mark.parametrize("script, extra", RESUMED, ids=[f"{s}{' '.join(e)}" for s, e in RESUMED])
+def test_resume_continues_exactly_as_an_uninterrupted_run(tiny_folder, tmp_path, script, extra):
+    """2 epochs straight == 1 epoch, stop, --resume, 1 more: every tensor of the checkpoint
+    (model, optimizer, queue, momentum encoder, EMA target, support set) and every epoch's loss."""
+    main = importlib.import_module(script).main
+    run = lambda out, *more: main(
+        smoke_args(
+            tiny_folder, tmp_path / out, "--epochs", "2", "--linear-epochs", "0", *extra, *more
+        )
+    )
+    run("straight")
+    run("split", "--stop-after", "1")
+    assert not (tmp_path / "split" / "backbone.pt").exists()
+    assert len(open(tmp_path / "split" / "metrics.jsonl").readlines()) == 1
+    main(["--resume", str(tmp_path / "split")])
+    a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=True)
+    b = torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=True)
+    ta, tb = flat_tensors(a), flat_tensors(b)
+    assert a["epoch"] == b["epoch"] == 2 and ta.keys() == tb.keys() and len(ta) > 50
+    for key in ta:
+        assert torch.equal(ta[key], tb[key]), key
+    losses = [
+        [json.loads(line)["loss"] for line in open(tmp_path / run / "metrics.jsonl")]
+        for run in ("straight", "split")
+    ]
+    assert losses[0] == losses[1] and len(losses[0]) == 2
+
+
+def test_a_finished_run_is_evaluated_again_beside_its_results(tiny_folder, tmp_path):
+    """--resume of a finished run with other evaluation options trains nothing, writes
+    eval-<time>.json, and leaves results.json, backbone.pt and checkpoint.pt as they were."""
+    import simclr_dcl
+
+    simclr_dcl.main(smoke_args(tiny_folder, tmp_path))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    simclr_dcl.main(
+        ["--resume", str(tmp_path), "--linear-aug", "--linear-epochs", "1", "--knn-k", "5"]
+    )
+    new = sorted(set(p.name for p in tmp_path.iterdir()) - set(before))
+    assert len(new) == 1 and new[0].startswith("eval-") and new[0].endswith(".json")
+    again = json.load(open(tmp_path / new[0]))
+    first = json.load(open(tmp_path / "results.json"))
+    assert again["linear_protocol"] == "augmented SGD" != first["linear_protocol"]
+    assert again["knn_k"] == 5 and first["knn_k"] == 200
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name in before} == before
+
+
+@pytest.mark.parametrize(
+    "arch, size", [("resnet18", 32), ("resnet18", 96), ("resnet50", 32), ("resnet50", 96)]
+)
+def test_backbone_pt_loads_into_torchvision(tmp_path, arch, size):
+    """backbone.pt as finish() writes it loads with strict=True into torchvision's model (fc
+    dropped; the CIFAR stem for <= 64 px) and gives the same features in eval mode."""
+    torch.manual_seed(0)
+    backbone = common.ResNet(arch, 64, size)
+    for m in backbone.modules():  # running statistics and affine terms that are not the identity
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5), m.running_var.uniform_(0.5, 2)
+            m.weight.data.uniform_(0.5, 1.5), m.bias.data.uniform_(-0.2, 0.2)
+    ctx = common.Context(0, 1, 0, torch.device("cpu"), str(tmp_path), False)
+    common.finish(ctx, backbone, {"knn_top1": 0.0, "knn_k": 200, "knn_k1_top1": 0.0})
+    weights = torch.load(tmp_path / "backbone.pt", weights_only=True)
+    assert all(t.device.type == "cpu" for t in weights.values())
+    reference = getattr(torchvision.models, arch)()
+    reference.fc = nn.Identity()
+    if size <= 64:
+        reference.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+        reference.maxpool = nn.Identity()
+    reference.load_state_dict(weights, strict=True)
+    x = torch.randn(4, 3, size, size)
+    with torch.no_grad():
+        ours, theirs = backbone.eval()(x), reference.eval()(x)
+    assert ours.shape == theirs.shape == (4, 2048 if arch == "resnet50" else 512)
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_an_image_folder_is_decoded_once(tiny_folder):
+    """Pre-training and the kNN's training split share one uint8 tensor."""
+    args = _args(tiny_folder)
+    data = common.load_data(args, common.Context(0, 1, 0, torch.device("cpu"), "", False))
+    assert data.eval_train[0] is data.train and data.train.dtype == torch.uint8
+    assert data.train.shape == (72, 3, 16, 16) and len(data.eval_test[1]) == 18
+
+
+def _args(data_dir, *extra):
+    import simclr_dcl
+
+    return simclr_dcl.parse_args(smoke_args(data_dir, "/nonexistent/out", *extra))
+
+
+def _worker_decode_and_stream(data_dir, same_dir):
+    """Each rank's decoded image folder, and its first streamed batch of one image repeated."""
+    ctx = common.Context(common.rank(), 2, 0, torch.device("cpu"), "", False)
+    args = _args(data_dir)
+    decoded = common.load_data(args, ctx).train
+    streamed = common.load_data(_args(same_dir, "--stream", "--workers", "1"), ctx)
+    images, _ = next(
+        common.train_batches(streamed, 8, common.epoch_generators(0, 0, "cpu")[0], ctx, 1)
+    )
+    return {"decoded": decoded, "crops": images}
+
+
+def test_two_ranks_decode_the_set_together_and_stream_different_crops(tiny_folder, tmp_path):
+    """2 processes: each decodes half the folder, both end with the whole set as one process
+    decodes it; streaming from a folder of identical images, the ranks' crops differ (their
+    DataLoader workers would otherwise draw the same crop parameters on every rank)."""
+    same = tmp_path / "same"
+    for split in ("train", "val"):
+        for c in range(2):
+            os.makedirs(same / split / f"c{c}")
+            for i in range(8):
+                shutil.copy(
+                    os.path.join(tiny_folder, "train", "class0", "0.png"),
+                    same / split / f"c{c}" / f"{i}.png",
+                )
+    ranks = run_distributed("test_runs", "_worker_decode_and_stream", tmp_path, tiny_folder, same)
+    single = common.load_data(
+        _args(tiny_folder), common.Context(0, 1, 0, torch.device("cpu"), "", False)
+    ).train
+    assert torch.equal(ranks[0]["decoded"], single) and torch.equal(ranks[1]["decoded"], single)
+    a, b = ranks[0]["crops"], ranks[1]["crops"]  # (4, 2, 3, 16, 16) each: 4 images, 2 crops
+    assert a.shape == b.shape == (4, 2, 3, 16, 16)
+    assert all(not torch.equal(a[i, v], b[i, v]) for i in range(4) for v in range(2))
+
+
+def test_every_rank_stops_together_when_the_data_is_missing(tmp_path, monkeypatch):
+    """2 processes, CIFAR-10 neither on disk nor downloadable: both stop (no rank waits for
+    the other), one 'error:' line."""
+    for proxy in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(proxy, "http://127.0.0.1:9")
+    done = run_script(
+        "simclr_dcl.py",
+        [
+            "--dataset",
+            "cifar10",
+            "--data-dir",
+            tmp_path / "d",
+            "--device",
+            "cpu",
+            "--out",
+            tmp_path / "o",
+        ],
+        nproc=2,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "could not be downloaded" in errors[0], done.stderr[-2000:]
+    assert not (tmp_path / "o").exists()
+
+
+def test_two_nodes_with_their_own_data_folders_train_as_one(tiny_folder, tmp_path):
+    """torchrun --nnodes 2 on localhost, each node with its own copy of the data: the run
+    finishes and its backbone equals the one process's run on the same global batch."""
+    copies = [shutil.copytree(tiny_folder, tmp_path / f"node{n}") for n in range(2)]
+    port = free_port()
+    nodes = [
+        subprocess.Popen(
+            [
+                *_torchrun_node(n, port),
+                os.path.join(ROOT, "simclr_dcl.py"),
+                *map(str, smoke_args(copies[n], tmp_path / "run", "--linear-epochs", "0")),
+            ],
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(2)
+    ]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), (
+        outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    )
+    check_run_folder(tmp_path / "run", epochs=1)
+    import simclr_dcl
+
+    simclr_dcl.main(smoke_args(tiny_folder, tmp_path / "one", "--linear-epochs", "0"))
+    two = torch.load(tmp_path / "run" / "backbone.pt", weights_only=True)
+    one = torch.load(tmp_path / "one" / "backbone.pt", weights_only=True)
+    assert max((two[k].float() - one[k].float()).abs().max() for k in one) < 1e-4
+
+
+def _torchrun_node(node_rank, port):
+    import sys
+
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        f"--node_rank={node_rank}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+    ]
