@@ -156,10 +156,12 @@ def dual_temperature_loss(q, k, tau_alpha=0.1, tau_beta=1.0, queue=None):
 
     def log_w(tau):  # (B,) log W_i(tau): the softmax mass on the negatives, 1 - p_+ (DT Eq. 4)
         # in log space: as p_+ -> 1, the difference 1 - p_+ keeps no significant digit
-        return torch.logsumexp(l_neg / tau, 1) - torch.logsumexp(logits / tau, 1)
+        log_neg = torch.logsumexp(l_neg / tau, 1)  # log sum_j exp(<q_i, k_j> / tau)
+        return log_neg - torch.logaddexp(l_pos[:, 0] / tau, log_neg)  # minus the log denominator
 
     with torch.no_grad():  # sg(.): the weight is a constant to autograd
-        log_w_alpha, log_w_beta = log_w(tau_alpha), log_w(tau_beta)
+        log_w_alpha = log_w(tau_alpha)
+        log_w_beta = log_w_alpha if tau_beta == tau_alpha else log_w(tau_beta)
     loss = (torch.exp(log_w_beta - log_w_alpha) * infonce).mean()  # DT Eq. 9
     return loss, (log_w_alpha.exp(), log_w_beta.exp())
 
