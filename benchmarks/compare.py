@@ -3,10 +3,11 @@ r"""Run every method variant of this project on one data set and print one compa
 Each variant is one run of a method script through its real command line, with that script's
 defaults unless an option below overrides them, in its own folder under --out. The table has a
 row per variant: kNN top-1 (k=200 and k=1), linear probe top-1, the last epoch's loss, the
-collapse diagnostic proj_std (SimSiam / BYOL), images/s and wall time; and an `untrained` row,
-the same network evaluated before any step (--epochs 0), the floor for every other number. It is
-also written to OUT/table.md and OUT/rows.json. A second call with the same --out reuses every
-finished run (its folder holds results.json) and continues an interrupted one from its checkpoint.
+collapse diagnostic proj_std (SimSiam / BYOL), images/s and wall time; and before each script's
+variants its `untrained-SCRIPT` row, the same network evaluated before any step (--epochs 0), the
+floor for their numbers. The table also goes to OUT/table.md, its rows to OUT/rows.json. A second
+call with the same --out reuses every finished run (its folder holds results.json) and continues
+an interrupted one from its checkpoint.
 
     python benchmarks/compare.py --dataset imagefolder --data-dir D --epochs 2 --width 8 \
         --device cpu                                                # CPU: runs side by side
@@ -29,15 +30,18 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# name -> (script, the options that make the variant). The untrained row uses SimCLR's script:
-# every script builds the same ResNet first from the same seed, so it is the same backbone.
-VARIANTS = {"untrained": ("simclr_dcl.py", ["--epochs", "0"])}
+# name -> (script, the options that make the variant). Each script's variants follow its untrained
+# row, the same network evaluated before any step: the scripts' ResNets do not all start alike
+# (SimSiam/BYOL zero-initialise the residual branches, as SimSiam's builder does).
+VARIANTS = {"untrained-simclr_dcl": ("simclr_dcl.py", ["--epochs", "0"])}
 for loss in ("infonce", "dcl", "dclw"):
     VARIANTS[f"simclr-{loss}"] = ("simclr_dcl.py", ["--loss", loss])
+VARIANTS["untrained-moco_simmoco_simco"] = ("moco_simmoco_simco.py", ["--epochs", "0"])
 for method in ("mocov2", "simmoco"):
     VARIANTS[method] = ("moco_simmoco_simco.py", ["--method", method])
     VARIANTS[f"{method}-symmetric"] = ("moco_simmoco_simco.py", ["--method", method, "--symmetric"])
 VARIANTS["simco"] = ("moco_simmoco_simco.py", ["--method", "simco"])
+VARIANTS["untrained-simsiam_byol_gsg"] = ("simsiam_byol_gsg.py", ["--epochs", "0"])
 for method in ("simsiam", "byol"):
     for stopgrad in ("symmetric", "guided", "random", "reverse"):
         VARIANTS[f"{method}-{stopgrad}"] = ("simsiam_byol_gsg.py",
@@ -45,6 +49,7 @@ for method in ("simsiam", "byol"):
 for stopgrad in ("symmetric", "guided"):
     VARIANTS[f"simsiam-{stopgrad}-no-predictor"] = (
         "simsiam_byol_gsg.py", ["--method", "simsiam", "--stopgrad", stopgrad, "--no-predictor"])
+VARIANTS["untrained-nnclr_dcl"] = ("nnclr_dcl.py", ["--epochs", "0"])
 for loss in ("infonce", "dcl", "dclw"):
     VARIANTS[f"nnclr-{loss}"] = ("nnclr_dcl.py", ["--loss", loss])
 
@@ -71,8 +76,8 @@ def parse_args(argv):
     a = parser.add_argument
     a("--out", default="runs/compare", help="one run folder per variant goes here (%(default)s)")
     a("--variants", nargs="+", default=["*"], metavar="NAME",
-      help="names or globs of the variants to run (default: all, see --list); "
-           "the untrained row is always included")
+      help="names or globs of the variants to run (default: all, see --list); each "
+           "script's untrained row comes with its variants")
     a("--per-variant", nargs=2, action="append", default=[], metavar=("GLOB", "OPTIONS"),
       help="more options, one quoted string, for the variants matching GLOB; repeatable")
     a("--list", action="store_true", help="print the selected variants' commands and exit")
@@ -202,8 +207,10 @@ def table(rows):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    names = [name for name in VARIANTS
-             if name == "untrained" or any(fnmatch.fnmatch(name, p) for p in args.variants)]
+    chosen = {name for name in VARIANTS if any(fnmatch.fnmatch(name, p) for p in args.variants)}
+    scripts = {VARIANTS[name][0] for name in chosen}  # their untrained rows come along
+    names = [name for name, (script, _) in VARIANTS.items()
+             if name in chosen or name.startswith("untrained-") and script in scripts]
     if args.list:
         for name in names:
             print(f"{name}: {shlex.join(command(name, args))}")

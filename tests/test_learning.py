@@ -1,22 +1,23 @@
 """Every method learns: short runs of the real scripts on a generated texture set end far above the
 same network untrained, and the GSG paper's collapse claim shows without a predictor.
 
-The identity tests call the loss functions; these call each script's `main()`, so they notice a
-training step that detaches the wrong branch, feeds the loss the same view twice or never steps.
-Data: tests/helpers.texture_image_folder, 5 texture classes, 2,000 training and 500 validation
-images of 20 px, written once per session. Network: ResNet-18 at width 8, small heads, batch 32,
-2-3 epochs (150-225 steps). Each run is deterministic (seeded, one CPU thread).
+The identity tests call the loss functions; these call each script's `main()` in this process, so
+they notice a training step that stops the network from learning. Data:
+helpers.texture_image_folder (5 texture classes, 2,000 training and 500 validation images of
+20 px, written once per session). Network: ResNet-18 at width 8 with 256-64 heads, batch 32,
+2-4 epochs (125-250 steps), seed 2, one CPU thread: every run is deterministic.
 
-The settings are this test's choices for runs of a few hundred steps, not the papers': batch 32,
-no warm-up, --lr 0.3 per 256 images (1.0 for MoCo v2 and SimMoCo, whose keys come from a slowly
-moving encoder), a 256-key queue and a 512-row support set (at 65,536 and 16,384 they would hold
-mostly the random rows they start with, and a 2,000-image set with 5 classes in a large queue puts
-hundreds of same-class keys among the negatives), BYOL's target momentum 0.9 (at 0.99 the target
-barely leaves its random start in 225 steps).
-Measured over seeds 0-4 before choosing the margin: untrained kNN top-1 46-55%, trained 61-98%,
-the smallest gap 15 points (BYOL, symmetric); see each test for what it guards.
+The settings are this file's choices for runs of a few hundred steps, not the papers': no warm-up,
+--lr 0.3 per 256 images (1.0 for MoCo v2 and SimMoCo, 0.6 for SimSiam and BYOL, which learn
+slowest), a 64-key queue and a 512-row support set (at 65,536 and 16,384 rows they would hold
+mostly their random initial rows, and with 5 classes a long queue fills the negatives with keys
+of the anchor's own class), BYOL's target momentum 0.9 (at 0.99 the target barely leaves its
+random start in 250 steps).
+
+Measured before choosing MARGIN (seeds 0-2, this project's 2-core CPU machine): untrained kNN
+top-1 46-52% (SimSiam/BYOL's network, whose residual branches start at zero: 57-65%); every
+trained variant 20-50 points above its script's untrained network (seed 2, used here: 23-50).
 """
-
 import json
 import os
 
@@ -28,76 +29,43 @@ import simclr_dcl
 import simsiam_byol_gsg
 from helpers import texture_image_folder
 
-MARGIN = 10.0  # kNN top-1 points above the untrained network; the smallest measured gap was 15
+MARGIN = 10.0  # kNN top-1 points over the untrained network; the smallest measured gap was 20
 PROJ_DIM = 64
-SHARED = [
-    "--dataset",
-    "imagefolder",
-    "--image-size",
-    "20",
-    "--width",
-    "8",
-    "--batch-size",
-    "32",
-    "--proj-hidden",
-    "256",
-    "--proj-dim",
-    str(PROJ_DIM),
-    "--warmup-epochs",
-    "0",
-    "--lr",
-    "0.3",
-    "--linear-epochs",
-    "0",
-    "--device",
-    "cpu",
-    "--workers",
-    "0",
-    "--seed",
-    "2",
-]
-GSG = ["--pred-hidden", "64"]
+SHARED = ["--dataset", "imagefolder", "--image-size", "20", "--width", "8", "--batch-size", "32",
+          "--proj-hidden", "256", "--proj-dim", str(PROJ_DIM), "--warmup-epochs", "0",
+          "--lr", "0.3", "--linear-epochs", "0", "--device", "cpu", "--workers", "0", "--seed", "2"]
+SIAMESE = ["--pred-hidden", "64", "--lr", "0.6"]
 RUNS = {  # name -> (script module, options after SHARED)
-    # the untrained row: every script builds the same ResNet first from the same seed
-    "untrained": (simclr_dcl, ["--epochs", "0"]),
     "simclr-infonce": (simclr_dcl, ["--epochs", "2", "--loss", "infonce"]),
     "simclr-dcl": (simclr_dcl, ["--epochs", "2", "--loss", "dcl"]),
     "simclr-dclw": (simclr_dcl, ["--epochs", "2", "--loss", "dclw"]),
-    "mocov2": (
-        moco_simmoco_simco,
-        ["--epochs", "3", "--method", "mocov2", "--queue-size", "64", "--lr", "1.0"],
-    ),
+    "mocov2": (moco_simmoco_simco, ["--epochs", "3", "--method", "mocov2", "--queue-size", "64",
+                                    "--lr", "1.0"]),
     "simmoco": (moco_simmoco_simco, ["--epochs", "3", "--method", "simmoco", "--lr", "1.0"]),
     "simco": (moco_simmoco_simco, ["--epochs", "2", "--method", "simco"]),
-    "simsiam-symmetric": (simsiam_byol_gsg, ["--epochs", "2", "--stopgrad", "symmetric", *GSG]),
-    "simsiam-guided": (simsiam_byol_gsg, ["--epochs", "2", "--stopgrad", "guided", *GSG]),
-    "byol-symmetric": (
-        simsiam_byol_gsg,
-        ["--epochs", "3", "--method", "byol", "--ema", "0.9", "--stopgrad", "symmetric", *GSG],
-    ),
-    "byol-guided": (
-        simsiam_byol_gsg,
-        ["--epochs", "3", "--method", "byol", "--ema", "0.9", "--stopgrad", "guided", *GSG],
-    ),
-    "nnclr-dcl": (
-        nnclr_dcl,
-        ["--epochs", "2", "--loss", "dcl", "--pred-hidden", "256", "--support-size", "512"],
-    ),
-    "simsiam-symmetric-no-predictor": (
-        simsiam_byol_gsg,
-        ["--epochs", "2", "--stopgrad", "symmetric", "--no-predictor"],
-    ),
-    "simsiam-guided-no-predictor": (
-        simsiam_byol_gsg,
-        ["--epochs", "2", "--stopgrad", "guided", "--no-predictor"],
-    ),
+    "simsiam-symmetric": (simsiam_byol_gsg, ["--epochs", "4", "--stopgrad", "symmetric", *SIAMESE]),
+    "simsiam-guided": (simsiam_byol_gsg, ["--epochs", "2", "--stopgrad", "guided", *SIAMESE]),
+    "byol-symmetric": (simsiam_byol_gsg, ["--epochs", "4", "--method", "byol", "--ema", "0.9",
+                                          "--stopgrad", "symmetric", *SIAMESE]),
+    "byol-guided": (simsiam_byol_gsg, ["--epochs", "2", "--method", "byol", "--ema", "0.9",
+                                       "--stopgrad", "guided", *SIAMESE]),
+    "nnclr-dcl": (nnclr_dcl, ["--epochs", "2", "--loss", "dcl", "--pred-hidden", "256",
+                              "--support-size", "512"]),
+    "simsiam-symmetric-no-predictor": (simsiam_byol_gsg, ["--epochs", "3", "--no-predictor",
+                                                          "--stopgrad", "symmetric"]),
+    "simsiam-guided-no-predictor": (simsiam_byol_gsg, ["--epochs", "3", "--no-predictor",
+                                                       "--stopgrad", "guided"]),
 }
-METHODS = [name for name in RUNS if name != "untrained" and not name.endswith("no-predictor")]
+# each script's own untrained network: SimSiam/BYOL's ResNet starts with zero-initialised residual
+# branches (SimSiam's builder), the others' do not
+for module in (simclr_dcl, moco_simmoco_simco, simsiam_byol_gsg, nnclr_dcl):
+    RUNS[f"untrained-{module.__name__}"] = (module, ["--epochs", "0"])
+METHODS = [name for name in RUNS if not name.startswith("untrained") and "no-predictor" not in name]
 
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
-    """trained(name) -> (results.json, metrics.jsonl records) of that run; each run happens once."""
+    """trained(name) -> (results.json, metrics.jsonl records) of that run, run once per session."""
     data = texture_image_folder(str(tmp_path_factory.mktemp("textures")))
     root = tmp_path_factory.mktemp("learning")
     done = {}
@@ -115,39 +83,42 @@ def trained(tmp_path_factory):
                     records = [json.loads(line) for line in f]
             done[name] = results, records
         return done[name]
-
     return run
 
 
 @pytest.mark.parametrize("name", METHODS)
 def test_method_ends_above_the_untrained_network(name, trained):
-    """kNN top-1 (k=200) after 2-3 epochs >= the same network untrained (--epochs 0, same
-    seed) + MARGIN.
+    """kNN top-1 (k=200) after training >= the same network untrained (--epochs 0) + MARGIN.
 
-    Guards each method's training step end to end: a step whose gradient never reaches the
-    network fails it (checked by hand: SimSiam's predictions detached in symmetric_loss). It does
-    not guard the choice of positive: SimCLR-DCL fed another image's view as the positive (z2
-    rolled by one row) still ended above the margin at this scale, the negatives alone spreading
-    the features; the identity and 2-process tests guard the loss itself.
+    Guards a training step that does not learn. Broken on purpose in a scratch copy (seed 2), these
+    fail it: no optimizer.step() (SimCLR-DCL/DCLW: 54.6% vs 46.2% untrained); SimSiam's symmetric
+    loss without its stop-gradient (46.8% vs 65.0%); the same view fed to the loss twice in SimSiam
+    and BYOL, symmetric or guided (67.0-72.2%); guided's case choice reversed (65.6-68.0%).
+    Not caught at this scale: the same view twice in SimCLR, MoCo v2, SimMoCo, SimCo and NNCLR
+    (60.6-75.6% vs 46.2%: single-view contrastive training alone lifts kNN that much here); a
+    frozen BYOL target or MoCo key encoder, an NNCLR support set never written, guided SimSiam
+    without stop-gradients (79-88%: these still learn, as against a random target).
     """
-    untrained = trained("untrained")[0]["knn_top1"]
+    untrained = trained(f"untrained-{RUNS[name][0].__name__}")[0]["knn_top1"]
     knn = trained(name)[0]["knn_top1"]
     assert knn >= untrained + MARGIN, f"{name}: kNN top-1 {knn:.1f}% vs {untrained:.1f}% untrained"
 
 
 def test_gsg_without_predictor_symmetric_collapses_guided_does_not(trained):
-    """GSG Sec. 6.2: without a predictor, SimSiam's symmetric loss collapses, guided
-    stop-gradient does not.
+    """GSG Sec. 6.2: without a predictor SimSiam collapses; with guided stop-gradient it does not.
 
-    Shown here by proj_std, the std over the batch of z/|z| (about 1/sqrt(D) when spread, 0 when
-    collapsed): in 2 epochs symmetric SimSiam's falls (0.09 -> 0.06-0.08 measured over seeds 0-2
-    at D = 64) while guided SimSiam's stays near 1/sqrt(D) = 0.125 (0.12). The projector's last
-    BatchNorm keeps each coordinate spread, so at this scale the collapse is partial, not to 0.
-    Guards the guided case choice and the no-predictor path: with guided replaced by reverse
-    stop-gradient (checked by hand) guided's proj_std fell to 0.059 and this test failed.
+    Measured by proj_std, the std over the batch of z/|z| (1/sqrt(D) = 0.125 when spread, 0 when
+    collapsed), per epoch from metrics.jsonl. Over 3 epochs (seeds 0-2) symmetric SimSiam's falls
+    every epoch, 0.114-0.119 -> 0.068-0.076, while guided SimSiam's stays at 0.120-0.123. The
+    projector's last BatchNorm keeps each coordinate spread, so at this scale the collapse is a
+    steady fall, not a drop to 0.
+    Broken on purpose (seed 2): the same view fed to the loss twice keeps symmetric's at 0.1255
+    (fails the first assertion); guided without its stop-gradients, or with its case choice
+    reversed (3 - argmin), falls to 0.051 and 0.057 (fails the second).
     """
     symmetric = [r["proj_std"] for r in trained("simsiam-symmetric-no-predictor")[1]]
     guided = [r["proj_std"] for r in trained("simsiam-guided-no-predictor")[1]]
-    spread = PROJ_DIM**-0.5
-    assert symmetric[-1] < symmetric[0] and symmetric[-1] < 0.8 * spread, symmetric
-    assert guided[-1] > 0.9 * spread, guided
+    spread = PROJ_DIM ** -0.5
+    falls = all(later < earlier for earlier, later in zip(symmetric, symmetric[1:]))
+    assert falls and symmetric[-1] < 0.8 * spread, f"symmetric proj_std per epoch {symmetric}"
+    assert guided[-1] > 0.9 * spread, f"guided proj_std per epoch {guided}"
