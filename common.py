@@ -1,9 +1,6 @@
-"""Shared infrastructure for the method files; no algorithm lives here.
-
-Command line and run folder, processes and an autograd-aware all-gather, a ResNet in
-torchvision's layout, data held on the device (or streamed), batched per-sample augmentation,
-kNN and linear evaluation, the learning-rate schedule and exact checkpoints.
-"""
+"""Shared infrastructure for the method files; no algorithm lives here: command line and run
+folder, processes and a differentiable all-gather, ResNets, data held on the device (or streamed),
+batched per-sample augmentation, kNN and linear evaluation, the schedule, exact checkpoints."""
 import argparse
 import datetime
 import json
@@ -23,13 +20,12 @@ import torch.nn.functional as F
 import torchvision  # here, before any process group: see below
 import torchvision.transforms.v2 as T
 from PIL import Image
+from torchvision.models.resnet import BasicBlock, Bottleneck  # the blocks, with their names
 from tqdm import tqdm
 
-# torchvision imports torch._dynamo, and importing torch._dynamo after init_process_group keeps a
-# reference to the default process group that destroy_process_group cannot drop (torch 2.14):
-# gloo's worker threads then outlive it, and one that still releases a tensor while Python exits
-# aborts the process ("terminate called without an active exception"). So torchvision is imported
-# here, at the top, never inside a function that runs after setup().
+# torchvision imports torch._dynamo, and torch._dynamo imported after init_process_group keeps a
+# reference to the default group that destroy_process_group cannot drop (torch 2.14): gloo's
+# threads outlive it and can abort Python's exit ("terminate called without an active exception").
 
 
 class UserError(Exception):
@@ -44,8 +40,8 @@ def run(main):
         rank = int(os.environ.get("RANK", 0))
         if rank != 0:  # rank 0 says what every rank usually met, and torchrun then stops the
             time.sleep(10)  # others; a rank that met an error alone says it after a while
-        print(f"error: {error}" if rank == 0 else f"error (rank {rank}): {error}",
-              file=sys.stderr, flush=True)
+        where = "" if rank == 0 else f" (rank {rank})"
+        print(f"error{where}: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
         if dist.is_initialized():
@@ -54,29 +50,20 @@ def run(main):
 
 # ------------------------------------------------------------------------------ command line
 
-def positive_int(text):
-    if int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return int(text)
+def checked(convert, test, what):
+    """An argparse type: `convert` the text, refused unless `test` passes ("must be `what`")."""
+    def parse(text):
+        if not test(convert(text)):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return convert(text)
+    parse.__name__ = convert.__name__  # argparse's "invalid int value: 'x'"
+    return parse
 
 
-def non_negative_int(text):
-    if int(text) < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text}")
-    return int(text)
-
-
-def positive_float(text):
-    if not float(text) > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return float(text)
-
-
-def momentum_value(text):
-    """An EMA momentum m in [0, 1): target <- m * target + (1 - m) * online."""
-    if not 0 <= float(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return float(text)
+positive_int = checked(int, lambda n: n >= 1, "a positive integer")
+non_negative_int = checked(int, lambda n: n >= 0, "0 or a positive integer")
+positive_float = checked(float, lambda x: x > 0, "a positive number")
+momentum_value = checked(float, lambda m: 0 <= m < 1, "in [0, 1)")  # EMA: t <- m t + (1 - m) o
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -84,8 +71,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 def add_common_args(parser):
-    """The options every script shares. Batch, epochs, lr, wd, warm-up and crop scale get their
-    defaults from each method file (parser.set_defaults, with their sources)."""
+    """The shared options; each method file sets its own batch, epochs, lr, wd, warm-up, crop."""
     a = parser.add_argument
     a("--dataset", choices=["cifar10", "cifar100", "stl10", "imagefolder"], default="cifar10",
       help="imagefolder reads DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*")
@@ -119,8 +105,8 @@ def add_common_args(parser):
     a("--seed", type=int, default=0, help="random seed (model init, data order, augmentation)")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu",
       help="cuda, cuda:N or cpu (under torchrun, cuda means cuda:LOCAL_RANK)")
-    a("--amp", action=argparse.BooleanOptionalAction, help="bf16 autocast on CUDA (default: "
-      "where the GPU has native bf16)")
+    a("--amp", action=argparse.BooleanOptionalAction,
+      help="bf16 autocast on CUDA (default: where the GPU has native bf16)")
     a("--compile", action="store_true", help="torch.compile the model (one process only)")
 
 
@@ -130,8 +116,8 @@ RESUMABLE = {"resume", "device", "data_dir", "workers", "stop_after", "eval_ever
 
 
 def parse_args(parser, argv, script):
-    """The run's arguments: a new run gets a fresh --out (a folder holding a run is refused);
-    --resume RUN takes RUN's config.json, changed only by the options in RESUMABLE."""
+    """A new run gets a fresh --out (a folder holding a run is refused); --resume RUN takes RUN's
+    config.json, changed only by the options in RESUMABLE."""
     args = parser.parse_args(argv)
     if args.resume is None:
         args.out = args.out or os.path.join("runs", f"{script}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -197,9 +183,8 @@ def setup(args):
         raise UserError(f"--device {args.device}: use cuda, cuda:N or cpu")
     if device.type == "cuda":
         count = torch.cuda.device_count()
-        # torchrun: one GPU per local rank; a launcher that shows each process one GPU: that one
-        device = device if device.index is not None else torch.device(
-            "cuda", local_rank if count > 1 else 0)
+        if device.index is None:  # torchrun: a GPU per local rank; or the one GPU a process sees
+            device = torch.device("cuda", local_rank if count > 1 else 0)
         if device.index >= count:
             raise UserError(f"--device {device}, but {count} CUDA GPU(s) are visible here")
         torch.cuda.set_device(device)
@@ -221,12 +206,9 @@ def world_size():
 
 
 class _GatherWithGrad(torch.autograd.Function):
-    """all_gather whose backward hands each rank the gradient of its own rows.
-
-    Every rank's loss uses every rank's rows, so the gradient of the global loss with respect to
-    my rows is the sum over ranks of their losses' gradients: all_reduce(SUM), then my slice.
-    (dist.all_gather has no backward: the other ranks' negatives would get no gradient.)
-    """
+    """all_gather with a backward: dist.all_gather has none, so the other ranks' rows would get
+    no gradient. Every rank's loss uses my rows, so their gradient is the sum over ranks of the
+    gradients: all_reduce(SUM), then my slice."""
 
     @staticmethod
     def forward(ctx, x):
@@ -234,8 +216,7 @@ class _GatherWithGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = all_reduce_sum(grad.contiguous())
-        rows = grad.shape[0] // dist.get_world_size()
+        grad, rows = all_reduce_sum(grad.contiguous()), grad.shape[0] // dist.get_world_size()
         return grad[dist.get_rank() * rows:(dist.get_rank() + 1) * rows]
 
 
@@ -262,9 +243,8 @@ def all_reduce_sum(x):
 
 
 class GatherBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm with statistics over every rank's batch, for CPU (gloo) runs: torch's
-    SyncBatchNorm runs on CUDA only. It all-gathers the per-rank means and sums of squared
-    deviations with gradient, so 2 CPU processes normalise exactly as one would."""
+    """BatchNorm over every rank's batch for CPU (gloo) runs, where torch's SyncBatchNorm does not
+    run: per-rank means and sums of squared deviations are all-gathered with gradient."""
 
     def _check_input_dim(self, x):
         if x.dim() < 2:
@@ -290,8 +270,8 @@ class GatherBatchNorm(nn.modules.batchnorm._BatchNorm):
 
 
 def sync_batchnorm(module, ctx):
-    """Every BatchNorm of `module` normalises over the global batch: SyncBatchNorm on CUDA,
-    GatherBatchNorm on CPU (changed in place and returned)."""
+    """Every BatchNorm of `module` (changed in place) normalises over the global batch:
+    SyncBatchNorm on CUDA, GatherBatchNorm on CPU."""
     if ctx.world == 1:
         return module
     if ctx.device.type == "cuda":
@@ -307,8 +287,8 @@ def sync_batchnorm(module, ctx):
 
 
 def distribute(model, ctx):
-    """Global BatchNorm, channels_last on CUDA, DDP across processes: the module to call.
-    (`model` itself stays the bare module, whose state_dict has no 'module.' prefix.)"""
+    """Global BatchNorm, channels_last on CUDA, DDP across processes -> the module to call
+    (`model` itself stays the bare module, whose state_dict has no 'module.' prefix)."""
     model = sync_batchnorm(model, ctx)
     if ctx.device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
@@ -336,52 +316,13 @@ def float32(t):
 
 # ------------------------------------------------------------------------------ ResNet
 
-class BasicBlock(nn.Module):
-    expansion = 1
-
-    def __init__(self, c_in, c, stride):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c_in, c, 3, stride, 1, bias=False), nn.BatchNorm2d(c)
-        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c)
-        self.downsample = shortcut(c_in, c, stride)
-
-    def forward(self, x):
-        out = F.relu(self.bn1(self.conv1(x)))
-        identity = x if self.downsample is None else self.downsample(x)
-        return F.relu(self.bn2(self.conv2(out)) + identity)
-
-
-class Bottleneck(nn.Module):
-    expansion = 4
-
-    def __init__(self, c_in, c, stride):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c_in, c, 1, bias=False), nn.BatchNorm2d(c)
-        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, stride, 1, bias=False), nn.BatchNorm2d(c)
-        self.conv3, self.bn3 = nn.Conv2d(c, 4 * c, 1, bias=False), nn.BatchNorm2d(4 * c)
-        self.downsample = shortcut(c_in, 4 * c, stride)
-
-    def forward(self, x):
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = F.relu(self.bn2(self.conv2(out)))
-        identity = x if self.downsample is None else self.downsample(x)
-        return F.relu(self.bn3(self.conv3(out)) + identity)
-
-
-def shortcut(c_in, c_out, stride):
-    """torchvision's `downsample`: 1x1 conv + BN where the block changes the shape, else None."""
-    if stride == 1 and c_in == c_out:
-        return None
-    return nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
-
-
 class ResNet(nn.Module):
     """ResNet-18/34/50 backbone: image (B, 3, S, S) -> features (B, out_dim), no classifier.
 
-    Written out, not torchvision's class, so that `width` can shrink every layer for CPU runs;
-    the module names are torchvision's, so at width 64 the weights load into
-    torchvision.models.resnet18/34/50 (with `fc` dropped). Images up to 64 px get the CIFAR stem
-    (3x3 stride-1 conv, no max-pool): the ImageNet one would shrink 32 px to 8 before layer1.
+    Written out rather than torchvision's class so that `width` can shrink every layer (--width);
+    the blocks and module names are torchvision's, so at width 64 the weights load into
+    torchvision.models.resnet18/34/50 (fc dropped). Images up to 64 px get the CIFAR stem (3x3
+    stride-1 conv, no max-pool): the ImageNet one would shrink 32 px to 8 before layer1.
     """
     LAYERS = {"resnet18": (BasicBlock, [2, 2, 2, 2]), "resnet34": (BasicBlock, [3, 4, 6, 3]),
               "resnet50": (Bottleneck, [3, 4, 6, 3])}
@@ -396,10 +337,13 @@ class ResNet(nn.Module):
         self.maxpool = nn.Identity() if small else nn.MaxPool2d(3, 2, 1)
         c_in = width
         for i, n in enumerate(blocks):
-            layer = []
+            layer, c = [], width * 2 ** i
             for j in range(n):
-                layer.append(block(c_in, width * 2 ** i, stride=2 if i > 0 and j == 0 else 1))
-                c_in = width * 2 ** i * block.expansion
+                stride, c_out = 2 if i > 0 and j == 0 else 1, c * block.expansion
+                shortcut = None if stride == 1 and c_in == c_out else nn.Sequential(
+                    nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+                layer.append(block(c_in, c, stride, shortcut))
+                c_in = c_out
             setattr(self, f"layer{i + 1}", nn.Sequential(*layer))
         self.out_dim = c_in
         for m in self.modules():
@@ -425,11 +369,9 @@ STATS = {"cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
 
 @dataclass
 class Data:
-    """The pre-training set and the two evaluation splits; labels are -1 where unlabelled.
-
-    On the device: `train` is uint8 (N, 3, S, S), the eval splits (uint8 images, labels), and
-    eval_train shares train's tensor where they are the same images. Streaming (--stream):
-    `train` and the eval splits are ImageFiles datasets that DataLoader workers decode.
+    """The pre-training set and two evaluation splits, labels -1 where unlabelled. On the device:
+    `train` uint8 (N, 3, S, S), the splits (images, labels), eval_train sharing train's tensor
+    where they are the same images. Streaming: ImageFiles datasets that DataLoader workers decode.
     """
     train: object
     train_labels: torch.Tensor
@@ -448,23 +390,19 @@ class Data:
 def load_data(args, ctx, crops=2):
     """--dataset as Data; `crops`: random crops per image that a streaming train set makes."""
     mean, std = STATS[args.dataset]
+    size = {"cifar10": 32, "cifar100": 32, "stl10": 96}.get(args.dataset, args.image_size or 224)
     if args.dataset == "imagefolder":
-        return image_folder(args, ctx, mean, std, crops)
-    size = 96 if args.dataset == "stl10" else 32
-    if args.image_size not in (None, size):
+        data = image_folder(args, ctx, size, mean, std, crops)
+    elif args.image_size not in (None, size):
         raise UserError(f"--image-size {args.image_size}: {args.dataset} images are {size} px")
-    if args.dataset == "stl10":  # pre-train on train+unlabeled, evaluate on the labelled splits
+    elif args.dataset == "stl10":  # pre-train on train+unlabeled, evaluate on the labelled splits
         train = torchvision_split(args, ctx, args.limit_train, split="train+unlabeled")
-        eval_train = torchvision_split(args, ctx, args.limit_train, split="train")
-        test = torchvision_split(args, ctx, None, split="test")
+        data = Data(*train, torchvision_split(args, ctx, args.limit_train, split="train"),
+                    torchvision_split(args, ctx, None, split="test"), 10, size, mean, std)
     else:
-        train = eval_train = torchvision_split(args, ctx, args.limit_train, train=True)
-        test = torchvision_split(args, ctx, None, train=False)
-    classes = 100 if args.dataset == "cifar100" else 10
-    return check_size(Data(train[0], train[1], eval_train, test, classes, size, mean, std), args)
-
-
-def check_size(data, args):
+        train = torchvision_split(args, ctx, args.limit_train, train=True)
+        data = Data(*train, train, torchvision_split(args, ctx, None, train=False),
+                    100 if args.dataset == "cifar100" else 10, size, mean, std)
     if len(data) < args.batch_size:
         raise UserError(f"--batch-size {args.batch_size} is more than the {len(data)} training "
                         f"images; use a smaller batch")
@@ -496,8 +434,8 @@ def torchvision_split(args, ctx, limit, **split):
     return images[:limit].contiguous().to(ctx.device), labels[:limit].long().to(ctx.device)
 
 
-def image_folder(args, ctx, mean, std, crops):
-    size, folders = args.image_size or 224, {}
+def image_folder(args, ctx, size, mean, std, crops):
+    folders = {}
     for split in ("train", "val"):
         root = os.path.join(args.data_dir, split)
         if not os.path.isdir(root):
@@ -516,24 +454,18 @@ def image_folder(args, ctx, mean, std, crops):
     train, val = folders["train"].samples[:args.limit_train], folders["val"].samples
     labels = [torch.tensor([y for _, y in s], device=ctx.device) for s in (train, val)]
     classes = len(folders["train"].classes)
-    if args.stream or not fits_on_device((len(train) + len(val)) * 3 * size * size, ctx):
-        streamed = Data(ImageFiles(train, size, crops, args.crop_scale), labels[0],
-                        ImageFiles(train, size), ImageFiles(val, size), classes, size, mean, std,
-                        streaming=True)
-        return check_size(streamed, args)
+    if ctx.device.type == "cuda":  # decoded on the device if it takes at most half the free memory
+        free = torch.cuda.mem_get_info(ctx.device)[0]
+    else:  # CPU: the free host memory, which this node's processes share
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        free //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if args.stream or (len(train) + len(val)) * 3 * size * size > free // 2:
+        return Data(ImageFiles(train, size, crops, args.crop_scale), labels[0],
+                    ImageFiles(train, size), ImageFiles(val, size), classes, size, mean, std,
+                    streaming=True)
     images = decode(train, size, args.workers, ctx)  # once: pre-training and kNN share it
-    val_images = decode(val, size, args.workers, ctx)
-    return check_size(Data(images, labels[0], (images, labels[0]), (val_images, labels[1]),
-                           classes, size, mean, std), args)
-
-
-def fits_on_device(nbytes, ctx):
-    """Hold a decoded image folder on the device if it takes at most half of the free memory
-    there (CPU: of the free host memory, which this node's processes share)."""
-    if ctx.device.type == "cuda":
-        return nbytes <= torch.cuda.mem_get_info(ctx.device)[0] // 2
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return nbytes <= free // 2 // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return Data(images, labels[0], (images, labels[0]),
+                (decode(val, size, args.workers, ctx), labels[1]), classes, size, mean, std)
 
 
 class ImageFiles(torch.utils.data.Dataset):
@@ -588,12 +520,9 @@ def epoch_generators(seed, epoch, device):
 
 
 def train_batches(data, batch_size, generator, ctx, workers=0):
-    """This rank's slice (batch_size / world images) of each global batch of one epoch.
-
-    The permutation comes from `generator` (CPU), seeded alike on every rank, so rank r takes rows
-    [r*b, (r+1)*b) of the global batch one process would take. Yields (images, labels): uint8
-    (b, 3, S, S) on the device, or (b, crops, 3, S, S) pre-cropped when streaming.
-    """
+    """This rank's slice of each global batch of one epoch: (images, labels), uint8 (b, 3, S, S)
+    on the device, or (b, crops, 3, S, S) pre-cropped when streaming. The order comes from
+    `generator` (CPU), seeded alike everywhere: rank r takes rows [r*b, (r+1)*b) of the batch."""
     b, steps = batch_size // ctx.world, len(data) // batch_size
     perm = torch.randperm(len(data), generator=generator)[:steps * batch_size]
     mine = perm.view(steps, ctx.world, b)[:, ctx.rank].flatten()  # (steps * b,)
@@ -1049,4 +978,3 @@ def finish(ctx, backbone, results):
     if "linear_top1" in results:
         line += f"  linear probe top-1: {results['linear_top1']:.2f}%"
     ctx.print(f"{line}\nwritten to {os.path.join(ctx.out, name)}")
-
