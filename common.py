@@ -561,18 +561,14 @@ def grayscale(x):
     return (0.2989 * r + 0.587 * g + 0.114 * b).unsqueeze(1)
 
 
-def adjust_brightness(x, factor):  # factor: (B,), one per image, as every op below
-    return (x * factor.view(-1, 1, 1, 1)).clamp(0, 1)
-
-
-def adjust_contrast(x, factor):
-    mean, f = grayscale(x).mean(dim=(1, 2, 3), keepdim=True), factor.view(-1, 1, 1, 1)
-    return (f * x + (1 - f) * mean).clamp(0, 1)
-
-
-def adjust_saturation(x, factor):
-    f = factor.view(-1, 1, 1, 1)
-    return (f * x + (1 - f) * grayscale(x)).clamp(0, 1)
+def colour_jitter(x, brightness, contrast, saturation, hue=None):
+    """torchvision's ColorJitter ops in its order, a factor (B,) per image for each (1: unchanged;
+    `hue` in turns, None: skipped); the first three blend x with black, its mean grey, its grey."""
+    b, c, s = (f.view(-1, 1, 1, 1) for f in (brightness, contrast, saturation))
+    x = (b * x).clamp(0, 1)
+    x = (c * x + (1 - c) * grayscale(x).mean(dim=(1, 2, 3), keepdim=True)).clamp(0, 1)
+    x = (s * x + (1 - s) * grayscale(x)).clamp(0, 1)
+    return x if hue is None else adjust_hue(x, hue)
 
 
 def adjust_hue(x, shift):
@@ -637,11 +633,9 @@ def resized_crop_flip(x, top, left, h, w, flip, size):
     grid_sample. The affine map sends the output's [-1, 1] square onto the box; with
     align_corners=False it samples where torchvision's resized_crop (no antialias) samples."""
     B, _, H, W = x.shape
-    theta = torch.zeros(B, 2, 3, device=x.device, dtype=x.dtype)
-    theta[:, 0, 0] = torch.where(flip, -w / W, w / W)
-    theta[:, 0, 2] = (2 * left + w) / W - 1
-    theta[:, 1, 1] = h / H
-    theta[:, 1, 2] = (2 * top + h) / H - 1
+    zero = torch.zeros_like(w)
+    theta = torch.stack([torch.where(flip, -w / W, w / W), zero, (2 * left + w) / W - 1,
+                         zero, h / H, (2 * top + h) / H - 1], 1).view(B, 2, 3).to(x)
     grid = F.affine_grid(theta, (B, 3, size, size), align_corners=False)
     return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
@@ -654,13 +648,9 @@ def normalize(x, mean, std):
 
 
 class Augment:
-    """Batched augmentation on the device with per-sample random parameters, a recipe per view.
-
-    Parameters are drawn for the whole global batch from a generator seeded alike on every rank,
-    and each rank keeps its rows: N processes augment exactly as one does. (transforms.v2 on a
-    batch draws one set of parameters for the whole batch.) Colour jitter runs in the fixed
-    order brightness, contrast, saturation, hue.
-    """
+    """Batched augmentation on the device, a Recipe per view, with random parameters per sample
+    (transforms.v2 on a batch draws one set for all), drawn for the global batch from a generator
+    seeded alike on every rank: each rank keeps its rows, so N processes augment as one does."""
 
     def __init__(self, recipes, size, mean, std, ctx):
         self.recipes, self.size, self.ctx = recipes, size, ctx
@@ -686,14 +676,11 @@ class Augment:
         if crop:
             box = sample_crop_boxes(rand, b, x.shape[2], x.shape[3], r.crop_scale, r.crop_ratio)
             x = resized_crop_flip(x, *box, rand(b) < r.flip_p, self.size)
-        bright, contrast, sat, hue = r.jitter
         if any(r.jitter):
-            jitter = rand(b) < r.jitter_p
-            y = adjust_brightness(x, 1 - bright + 2 * bright * rand(b))
-            y = adjust_contrast(y, 1 - contrast + 2 * contrast * rand(b))
-            y = adjust_saturation(y, 1 - sat + 2 * sat * rand(b))
-            y = adjust_hue(y, hue * (2 * rand(b) - 1)) if hue > 0 else y
-            x = torch.where(jitter.view(-1, 1, 1, 1), y, x)
+            jitter = rand(b) < r.jitter_p  # drawn before the factors
+            factors = [1 - s + 2 * s * rand(b) for s in r.jitter[:3]]
+            hue = r.jitter[3] * (2 * rand(b) - 1) if r.jitter[3] > 0 else None
+            x = torch.where(jitter.view(-1, 1, 1, 1), colour_jitter(x, *factors, hue), x)
         if r.gray_p > 0:
             x = where(r.gray_p, grayscale(x).expand_as(x), x)
         if r.blur_p > 0:
