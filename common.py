@@ -158,15 +158,11 @@ class Context:
     out: str
     amp: bool
 
-    @property
-    def is_main(self):
-        return self.rank == 0
-
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp)
 
     def print(self, *text):
-        if self.is_main:
+        if self.rank == 0:
             tqdm.write(" ".join(str(t) for t in text))
 
 
@@ -696,30 +692,25 @@ class Augment:
 
 @torch.no_grad()
 def extract_features(backbone, split, data, ctx, workers=0, unit=True):
-    """Backbone features (L2-normalised if `unit`) of un-augmented images, ranks sharing the work,
-    gathered on every rank -> (N', F), (N',), N' = world * ceil(N / world), padding labelled -1.
-    float16 on CUDA (ImageNet: 1.28M x 2048 x 2 bytes = 5.2 GB on every rank), float32 on CPU."""
+    """Features (L2-normalised if `unit`) of un-augmented images, ranks sharing the work, gathered
+    on every rank -> (N', F), (N',), N' = world * ceil(N / world), padding labelled -1. float16
+    on CUDA (ImageNet: 1.28M x 2048 x 2 bytes = 5.2 GB on every rank), float32 on CPU."""
     was_training, device = backbone.training, ctx.device
-    backbone.eval()
     n = len(split[1]) if isinstance(split, tuple) else len(split)
     share = -(-n // ctx.world)
-    mine = range(min(ctx.rank * share, n), min((ctx.rank + 1) * share, n))
-    if isinstance(split, tuple):
-        batches = ((split[0][i:min(i + 256, mine.stop)], split[1][i:min(i + 256, mine.stop)])
-                   for i in range(mine.start, mine.stop, 256))
-    else:
-        batches = torch.utils.data.DataLoader(torch.utils.data.Subset(split, mine), 256,
-                                              num_workers=workers)
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
-    features = torch.zeros(share, backbone.out_dim, dtype=dtype, device=device)
+    lo, hi = min(ctx.rank * share, n), min((ctx.rank + 1) * share, n)
+    batches = zip(*(t[lo:hi].split(256) for t in split)) if isinstance(split, tuple) else \
+        torch.utils.data.DataLoader(torch.utils.data.Subset(split, range(lo, hi)), 256,
+                                    num_workers=workers)
+    features = torch.zeros(share, backbone.out_dim, device=device,
+                           dtype=torch.float16 if device.type == "cuda" else torch.float32)
     labels = torch.full((share,), -1, dtype=torch.long, device=device)
-    done = 0
-    for images, y in batches:
+    backbone.eval()
+    for i, (images, y) in enumerate(batches):  # batches of 256
         with ctx.autocast():
             f = backbone(normalize(images.to(device).float() / 255, data.mean, data.std)).float()
-        features[done:done + len(y)] = F.normalize(f, dim=1) if unit else f
-        labels[done:done + len(y)] = y
-        done += len(y)
+        features[256 * i:256 * i + len(y)] = F.normalize(f, dim=1) if unit else f
+        labels[256 * i:256 * i + len(y)] = y
     backbone.train(was_training)
     return gather(features), gather(labels)
 
@@ -727,8 +718,7 @@ def extract_features(backbone, split, data, ctx, workers=0, unit=True):
 @torch.no_grad()
 def knn_accuracy(train_f, train_y, test_f, test_y, num_classes, k=200, t=0.1, ctx=None):
     """Weighted kNN (InstDisc / MoCo monitor): the k most cosine-similar training features vote
-    with weight exp(sim / t). Features L2-normalised; rows labelled -1 take no part; ranks split
-    the test set -> top-1 %."""
+    with weight exp(sim / t); rows labelled -1 take no part; ranks split the test set -> top-1 %."""
     world, rank = (ctx.world, ctx.rank) if ctx else (1, 0)
     k, unlabelled, share = min(k, int((train_y >= 0).sum())), train_y < 0, -(-len(test_y) // world)
     correct = torch.zeros((), device=test_f.device)
@@ -760,9 +750,8 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed
     generator = torch.Generator(device=train_f.device).manual_seed(seed)
     for _ in range(epochs):
         perm = rows[torch.randperm(len(rows), generator=generator, device=rows.device)]
-        for i in range(0, len(perm), batch):
-            x = (train_f[perm[i:i + batch]].float() - mean) / std
-            loss = F.cross_entropy(classifier(x), train_y[perm[i:i + batch]])
+        for r in perm.split(batch):
+            loss = F.cross_entropy(classifier((train_f[r].float() - mean) / std), train_y[r])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -778,16 +767,16 @@ def linear_probe_augmented(backbone, data, ctx, epochs=90, lr=30.0, seed=0, batc
     frozen backbone, trained on crop+flip views, SGD momentum 0.9, no weight decay, cosine."""
     if data.streaming:
         raise UserError("--linear-aug needs the data set held on the device (not --stream)")
-    images, labels = data.eval_train
+    (images, labels), b = data.eval_train, batch // ctx.world
     rows = (labels >= 0).nonzero()[:, 0].cpu()
+    steps = len(rows) // batch
     backbone.eval()
     classifier = nn.Linear(backbone.out_dim, data.num_classes).to(ctx.device)
     nn.init.zeros_(classifier.weight)
     optimizer = torch.optim.SGD(classifier.parameters(), lr=lr * batch / 256, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(1, epochs * steps))
     augment = Augment([Recipe(jitter=(0, 0, 0, 0), gray_p=0)], data.image_size, data.mean,
                       data.std, ctx)
-    b, steps = batch // ctx.world, len(rows) // batch
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(1, epochs * steps))
     for epoch in range(epochs):
         order, generator = epoch_generators(seed + 1, epoch, ctx.device)
         order = rows[torch.randperm(len(rows), generator=order)]
@@ -840,14 +829,13 @@ def learning_rate(step, total_steps, warmup_steps, peak, schedule="cosine"):
 
 
 class EpochMeter:
-    """Progress bar and per-epoch means of the step's scalars, summed on the device: one host
-    sync every `every` steps, to show this rank's loss, the lr and images/s."""
+    """The epoch's progress bar (this rank's mean loss, lr, images/s; the host syncs only every
+    `every` steps) and, from summary(), each scalar's mean over steps and ranks."""
 
     def __init__(self, ctx, epoch, epochs, steps, images_per_step, every=20):
-        self.ctx, self.every, self.images_per_step = ctx, every, images_per_step
-        self.sums, self.steps, self.lr, self.shown = {}, 0, 0.0, 0
-        self.record = {"epoch": epoch + 1}
-        self.bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{epochs}", disable=not ctx.is_main,
+        self.ctx, self.epoch, self.every, self.images_per_step = ctx, epoch, every, images_per_step
+        self.sums, self.steps, self.lr = {}, 0, 0.0
+        self.bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{epochs}", disable=ctx.rank != 0,
                         dynamic_ncols=True, leave=False)
         self.start = self.last = time.perf_counter()
 
@@ -856,22 +844,20 @@ class EpochMeter:
         for name, value in scalars.items():
             self.sums[name] = self.sums.get(name, 0) + value.detach().float()
         if self.steps % self.every == 0:
-            now = time.perf_counter()
-            rate = (self.steps - self.shown) * self.images_per_step / (now - self.last)
-            self.last, self.shown = now, self.steps
-            loss = self.sums["loss"].item() / self.steps
+            now, loss = time.perf_counter(), self.sums["loss"].item() / self.steps
+            rate = self.every * self.images_per_step / (now - self.last)
             self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.4g}", img_s=f"{rate:.0f}")
-            self.bar.update(self.steps - self.bar.n)
+            self.bar.update(self.every)
+            self.last = now
 
     def summary(self):
-        """Means over steps and ranks of every scalar, with lr and images/s; closes the bar."""
+        """{epoch, each scalar's mean, lr, images_per_s, seconds}; closes the bar."""
         self.bar.close()
         seconds = time.perf_counter() - self.start
-        for name, total in self.sums.items():
-            self.record[name] = all_reduce_sum(total).item() / (self.steps * self.ctx.world)
-        self.record.update(lr=self.lr, images_per_s=self.steps * self.images_per_step / seconds,
-                           seconds=seconds)
-        return self.record
+        means = {k: all_reduce_sum(s).item() / (self.steps * self.ctx.world)
+                 for k, s in self.sums.items()}
+        return {"epoch": self.epoch + 1, **means, "lr": self.lr,
+                "images_per_s": self.steps * self.images_per_step / seconds, "seconds": seconds}
 
 
 def check_finite(record):
@@ -883,7 +869,7 @@ def check_finite(record):
 
 def log_epoch(ctx, record):
     """Append one JSON line to metrics.jsonl and print it (rank 0)."""
-    if ctx.is_main:
+    if ctx.rank == 0:
         with open(os.path.join(ctx.out, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
         ctx.print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
@@ -895,7 +881,7 @@ def log_epoch(ctx, record):
 def start_run(args, ctx, script):
     """Create the run folder and its config.json (a resumed run keeps its own). Called once the
     data and the model are ready, so that a run that fails to start leaves nothing behind."""
-    if not ctx.is_main or args.resume:
+    if ctx.rank != 0 or args.resume:
         return
     os.makedirs(ctx.out, exist_ok=True)
     try:
@@ -918,7 +904,7 @@ def save_atomic(obj, path):
 
 def save_checkpoint(ctx, epoch, states):
     """checkpoint.pt: the epochs done and each named state_dict (model, optimizer, queue, ...)."""
-    if ctx.is_main:
+    if ctx.rank == 0:
         state = {name: s.state_dict() for name, s in states.items() if s is not None}
         save_atomic({"epoch": epoch, **state}, os.path.join(ctx.out, "checkpoint.pt"))
 
@@ -933,15 +919,14 @@ def load_checkpoint(ctx, states):
                         f"from this project; start a new --out") from None
     for name, state in states.items():
         # an optimizer keeps this run's fused/foreach choice, not the saving machine's
-        groups = getattr(state, "param_groups", [])
-        flags = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in groups]
+        flags = [{k: g[k] for k in ("fused", "foreach") if k in g}
+                 for g in getattr(state, "param_groups", [])]
         try:
             state is None or state.load_state_dict(checkpoint[name])
         except (RuntimeError, KeyError, ValueError) as error:
-            detail = " ".join(str(error).split())[:160]
-            raise UserError(f"{path}: the saved {name} does not fit this model ({detail}); "
-                            f"start a new --out") from None
-        for group, flag in zip(getattr(state, "param_groups", []), flags):
+            raise UserError(f"{path}: the saved {name} does not fit this model "
+                            f"({' '.join(str(error).split())[:160]}); start a new --out") from None
+        for group, flag in zip(getattr(state, "param_groups", []), flags):  # new dicts now
             group.update(flag)
     ctx.print(f"resumed {ctx.out} at epoch {checkpoint['epoch']}")
     return checkpoint["epoch"]
@@ -950,18 +935,18 @@ def load_checkpoint(ctx, states):
 def finish(ctx, backbone, results):
     """backbone.pt (CPU tensors, torchvision's names) and results.json, printing the accuracies.
     A finished run resumed with other evaluation options writes eval-<time>.json beside them."""
-    if not ctx.is_main:
+    if ctx.rank != 0:
         return
-    name = "results.json"
-    if os.path.exists(os.path.join(ctx.out, name)):
-        name = time.strftime("eval-%Y%m%d-%H%M%S.json")
+    path = os.path.join(ctx.out, "results.json")
+    if os.path.exists(path):
+        path = os.path.join(ctx.out, time.strftime("eval-%Y%m%d-%H%M%S.json"))
     else:
         weights = {k: v.cpu() for k, v in backbone.state_dict().items()}
         save_atomic(weights, os.path.join(ctx.out, "backbone.pt"))
-    with open(os.path.join(ctx.out, name), "w") as f:
+    with open(path, "w") as f:
         json.dump(results, f, indent=2)
     line = (f"final kNN top-1 (k={results['knn_k']}): {results['knn_top1']:.2f}%  "
             f"kNN top-1 (k=1): {results['knn_k1_top1']:.2f}%")
     if "linear_top1" in results:
         line += f"  linear probe top-1: {results['linear_top1']:.2f}%"
-    ctx.print(f"{line}\nwritten to {os.path.join(ctx.out, name)}")
+    ctx.print(f"{line}\nwritten to {path}")
