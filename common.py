@@ -1,12 +1,10 @@
-"""Shared infrastructure for the method files; no algorithm lives here: command line and run
-folder, processes and a differentiable all-gather, ResNets, data held on the device (or streamed),
-batched per-sample augmentation, kNN and linear evaluation, the schedule, exact checkpoints."""
+"""Shared infrastructure, no algorithm: command line, run folder, processes and gathers, ResNets,
+data on the device (or streamed), batched augmentation, kNN and linear probes, exact checkpoints."""
 import argparse
 import datetime
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -20,7 +18,7 @@ import torch.nn.functional as F
 import torchvision  # here, before any process group: see below
 import torchvision.transforms.v2 as T
 from PIL import Image
-from torchvision.models.resnet import BasicBlock, Bottleneck  # the blocks, with their names
+from torchvision.models.resnet import BasicBlock, Bottleneck
 from tqdm import tqdm
 
 # torchvision imports torch._dynamo, and torch._dynamo imported after init_process_group keeps a
@@ -40,8 +38,7 @@ def run(main):
         rank = int(os.environ.get("RANK", 0))
         if rank != 0:  # rank 0 says what every rank usually met, and torchrun then stops the
             time.sleep(10)  # others; a rank that met an error alone says it after a while
-        where = "" if rank == 0 else f" (rank {rank})"
-        print(f"error{where}: {error}", file=sys.stderr, flush=True)
+        print(f"error{f' (rank {rank})' if rank else ''}: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
         if dist.is_initialized():
@@ -49,7 +46,6 @@ def run(main):
 
 
 # ------------------------------------------------------------------------------ command line
-
 def checked(convert, test, what):
     """An argparse type: `convert` the text, refused unless `test` passes ("must be `what`")."""
     def parse(text):
@@ -79,8 +75,7 @@ def add_common_args(parser):
     a("--image-size", type=positive_int, help="default: 32 CIFAR, 96 STL-10, 224 imagefolder")
     a("--stream", action="store_true", help="imagefolder: decode in DataLoader workers every "
       "epoch (automatic when the decoded set would fill over half the free device memory)")
-    a("--workers", type=non_negative_int, default=min(8, os.cpu_count() or 1),
-      help="DataLoader workers that decode image files")
+    a("--workers", type=non_negative_int, default=min(8, os.cpu_count() or 1), help="decoders")
     a("--limit-train", type=positive_int, help="use only the first N training images")
     a("--arch", choices=["resnet18", "resnet34", "resnet50"], default="resnet18", help="backbone")
     a("--width", type=positive_int, default=64, help="base channel count (64 = standard ResNet)")
@@ -91,8 +86,7 @@ def add_common_args(parser):
     a("--warmup-epochs", type=non_negative_int, help="linear learning-rate warm-up epochs")
     a("--crop-scale", type=float, nargs=2, metavar=("MIN", "MAX"), help="random crop's area range")
     a("--out", help="run folder (default runs/<script>-<time>)")
-    a("--resume", metavar="RUN", help="continue RUN bit-for-bit (or evaluate a finished RUN again "
-      "with other evaluation options)")
+    a("--resume", metavar="RUN", help="continue RUN bit-for-bit, or evaluate a finished RUN again")
     a("--stop-after", type=positive_int, help="end after that many epochs in all (then --resume)")
     a("--eval-every", type=positive_int, default=10, help="kNN monitor every N epochs (and last)")
     a("--knn-k", type=positive_int, default=200, help="neighbours of the kNN monitor")
@@ -105,8 +99,7 @@ def add_common_args(parser):
     a("--seed", type=int, default=0, help="random seed (model init, data order, augmentation)")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu",
       help="cuda, cuda:N or cpu (under torchrun, cuda means cuda:LOCAL_RANK)")
-    a("--amp", action=argparse.BooleanOptionalAction,
-      help="bf16 autocast on CUDA (default: where the GPU has native bf16)")
+    a("--amp", action=argparse.BooleanOptionalAction, help="bf16 autocast (default: native bf16)")
     a("--compile", action="store_true", help="torch.compile the model (one process only)")
 
 
@@ -148,7 +141,6 @@ def parse_args(parser, argv, script):
 
 
 # ------------------------------------------------------------------------------ processes
-
 @dataclass
 class Context:
     rank: int
@@ -167,8 +159,7 @@ class Context:
 
 
 def setup(args):
-    """This process's device and the process group of torchrun's processes (a world of one
-    without torchrun). On CUDA also the cuDNN autotuner; matmuls stay full float32 (no TF32)."""
+    """This process's device and torchrun's process group; cuDNN autotuner on, no TF32 matmuls."""
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.batch_size % world or args.batch_size // world < 2:
@@ -202,9 +193,8 @@ def world_size():
 
 
 class _GatherWithGrad(torch.autograd.Function):
-    """all_gather with a backward: dist.all_gather has none, so the other ranks' rows would get
-    no gradient. Every rank's loss uses my rows, so their gradient is the sum over ranks of the
-    gradients: all_reduce(SUM), then my slice."""
+    """all_gather with a backward (dist.all_gather has none: the other ranks' rows would get no
+    gradient). Every rank's loss uses my rows: their gradient is all_reduce(SUM), my slice."""
 
     @staticmethod
     def forward(ctx, x):
@@ -266,8 +256,7 @@ class GatherBatchNorm(nn.modules.batchnorm._BatchNorm):
 
 
 def sync_batchnorm(module, ctx):
-    """Every BatchNorm of `module` (changed in place) normalises over the global batch:
-    SyncBatchNorm on CUDA, GatherBatchNorm on CPU."""
+    """Every BatchNorm of `module`, in place, over the global batch (SyncBatchNorm on CUDA)."""
     if ctx.world == 1:
         return module
     if ctx.device.type == "cuda":
@@ -311,15 +300,12 @@ def float32(t):
 
 
 # ------------------------------------------------------------------------------ ResNet
-
 class ResNet(nn.Module):
     """ResNet-18/34/50 backbone: image (B, 3, S, S) -> features (B, out_dim), no classifier.
-
-    Written out rather than torchvision's class so that `width` can shrink every layer (--width);
-    the blocks and module names are torchvision's, so at width 64 the weights load into
-    torchvision.models.resnet18/34/50 (fc dropped). Images up to 64 px get the CIFAR stem (3x3
-    stride-1 conv, no max-pool): the ImageNet one would shrink 32 px to 8 before layer1.
-    """
+    Written out, not torchvision's class, so that `width` (--width) can shrink every layer; its
+    blocks and names are torchvision's: at width 64 the weights load into torchvision's resnet
+    (fc dropped). Up to 64 px the CIFAR stem (3x3 stride-1 conv, no max-pool): the ImageNet one
+    would shrink 32 px to 8 before layer1."""
     LAYERS = {"resnet18": (BasicBlock, [2, 2, 2, 2]), "resnet34": (BasicBlock, [3, 4, 6, 3]),
               "resnet50": (Bottleneck, [3, 4, 6, 3])}
 
@@ -356,7 +342,6 @@ class ResNet(nn.Module):
 
 
 # ------------------------------------------------------------------------------ data
-
 STATS = {"cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
          "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
          "stl10": ((0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)),
@@ -367,8 +352,7 @@ STATS = {"cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
 class Data:
     """The pre-training set and two evaluation splits, labels -1 where unlabelled. On the device:
     `train` uint8 (N, 3, S, S), the splits (images, labels), eval_train sharing train's tensor
-    where they are the same images. Streaming: ImageFiles datasets that DataLoader workers decode.
-    """
+    where they are the same images. Streaming: ImageFiles that DataLoader workers decode."""
     train: object
     train_labels: torch.Tensor
     eval_train: object
@@ -495,8 +479,7 @@ class ImageFiles(torch.utils.data.Dataset):
 
 
 def decode(samples, size, workers, ctx):
-    """Image files -> uint8 (N, 3, S, S) on the device: each rank decodes its share, then every
-    rank gathers the whole set."""
+    """Image files -> uint8 (N, 3, S, S) on every rank, each rank decoding its share."""
     share = -(-len(samples) // ctx.world)
     mine = ImageFiles(samples[ctx.rank * share:(ctx.rank + 1) * share], size)
     try:
@@ -508,9 +491,9 @@ def decode(samples, size, workers, ctx):
 
 
 def epoch_generators(seed, epoch, device):
-    """This epoch's two generators, from (seed, epoch), so that a resumed run draws what an
-    uninterrupted one would: data order and pairings on the CPU (CUDA's random kernels depend on
-    the GPU model), augmentation on the device."""
+    """This epoch's generators from (seed, epoch), so a resumed run draws as an uninterrupted one:
+    data order and pairings on the CPU (CUDA's random kernels depend on the GPU model), and one
+    for augmentation on the device."""
     seed = 2 * (seed * 100003 + epoch)
     return torch.Generator().manual_seed(seed), torch.Generator(device).manual_seed(seed + 1)
 
@@ -523,9 +506,7 @@ def train_batches(data, batch_size, generator, ctx, workers=0):
     perm = torch.randperm(len(data), generator=generator)[:steps * batch_size]
     mine = perm.view(steps, ctx.world, b)[:, ctx.rank].flatten()  # (steps * b,)
     if not data.streaming:
-        mine = mine.to(ctx.device)
-        for step in range(steps):
-            rows = mine[step * b:(step + 1) * b]
+        for rows in mine.to(ctx.device).split(b):
             yield data.train[rows], data.train_labels[rows]
         return
     data.train.seed = int(torch.randint(2 ** 62, (1,), generator=generator))  # this epoch's crops
@@ -536,7 +517,6 @@ def train_batches(data, batch_size, generator, ctx, workers=0):
 
 
 # ------------------------------------------------------------------------------ augmentation
-
 @dataclass
 class Recipe:
     """One view's augmentation: which ops, their strengths and probabilities."""
@@ -689,7 +669,6 @@ class Augment:
 
 
 # ------------------------------------------------------------------------------ evaluation
-
 @torch.no_grad()
 def extract_features(backbone, split, data, ctx, workers=0, unit=True):
     """Features (L2-normalised if `unit`) of un-augmented images, ranks sharing the work, gathered
@@ -817,7 +796,6 @@ def evaluate(backbone, data, ctx, args, final=False):
 
 
 # ------------------------------------------------------------------------------ training loop
-
 def learning_rate(step, total_steps, warmup_steps, peak, schedule="cosine"):
     """Linear warm-up to `peak`, then cosine decay to 0 (or constant)."""
     if step < warmup_steps:
@@ -877,7 +855,6 @@ def log_epoch(ctx, record):
 
 
 # ------------------------------------------------------------------------------ run folder
-
 def start_run(args, ctx, script):
     """Create the run folder and its config.json (a resumed run keeps its own). Called once the
     data and the model are ready, so that a run that fails to start leaves nothing behind."""
@@ -890,7 +867,7 @@ def start_run(args, ctx, script):
     except OSError:
         commit = None
     config = {"script": script, "args": vars(args), "world_size": ctx.world, "command": sys.argv,
-              "versions": {"python": platform.python_version(), "torch": torch.__version__,
+              "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                            "git_commit": commit or None}}
     with open(os.path.join(ctx.out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
