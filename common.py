@@ -21,9 +21,9 @@ from PIL import Image
 from torchvision.models.resnet import BasicBlock, Bottleneck
 from tqdm import tqdm
 
-# torchvision imports torch._dynamo, and torch._dynamo imported after init_process_group keeps a
-# reference to the default group that destroy_process_group cannot drop (torch 2.14): gloo's
-# threads outlive it and can abort Python's exit ("terminate called without an active exception").
+# torchvision imports torch._dynamo, which, imported after init_process_group, keeps the default
+# group alive past destroy_process_group (torch 2.14): gloo's threads outlive it and can abort
+# Python's exit ("terminate called without an active exception"). Never import it after setup().
 
 
 class UserError(Exception):
