@@ -1,15 +1,10 @@
-"""Shared infrastructure for the method files; no algorithm lives here.
-
-Command line and run folder, processes and an autograd-aware all-gather, a ResNet in
-torchvision's layout, data held on the device (or streamed), batched per-sample augmentation,
-kNN and linear evaluation, the learning-rate schedule and exact checkpoints.
-"""
+"""Shared infrastructure, no algorithm: command line, run folder, processes and gathers, ResNets,
+data on the device (or streamed), batched augmentation, kNN and linear probes, exact checkpoints."""
 import argparse
 import datetime
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -23,13 +18,12 @@ import torch.nn.functional as F
 import torchvision  # here, before any process group: see below
 import torchvision.transforms.v2 as T
 from PIL import Image
+from torchvision.models.resnet import BasicBlock, Bottleneck
 from tqdm import tqdm
 
-# torchvision imports torch._dynamo, and importing torch._dynamo after init_process_group keeps a
-# reference to the default process group that destroy_process_group cannot drop (torch 2.14):
-# gloo's worker threads then outlive it, and one that still releases a tensor while Python exits
-# aborts the process ("terminate called without an active exception"). So torchvision is imported
-# here, at the top, never inside a function that runs after setup().
+# torchvision imports torch._dynamo, which, imported after init_process_group, keeps the default
+# group alive past destroy_process_group (torch 2.14): gloo's threads outlive it and can abort
+# Python's exit ("terminate called without an active exception"). Never import it after setup().
 
 
 class UserError(Exception):
@@ -44,8 +38,7 @@ def run(main):
         rank = int(os.environ.get("RANK", 0))
         if rank != 0:  # rank 0 says what every rank usually met, and torchrun then stops the
             time.sleep(10)  # others; a rank that met an error alone says it after a while
-        print(f"error: {error}" if rank == 0 else f"error (rank {rank}): {error}",
-              file=sys.stderr, flush=True)
+        print(f"error{f' (rank {rank})' if rank else ''}: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
         if dist.is_initialized():
@@ -53,30 +46,20 @@ def run(main):
 
 
 # ------------------------------------------------------------------------------ command line
-
-def positive_int(text):
-    if int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return int(text)
-
-
-def non_negative_int(text):
-    if int(text) < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text}")
-    return int(text)
+def checked(convert, test, what):
+    """An argparse type: `convert` the text, refused unless `test` passes ("must be `what`")."""
+    def parse(text):
+        if not test(convert(text)):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return convert(text)
+    parse.__name__ = convert.__name__  # argparse's "invalid int value: 'x'"
+    return parse
 
 
-def positive_float(text):
-    if not float(text) > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return float(text)
-
-
-def momentum_value(text):
-    """An EMA momentum m in [0, 1): target <- m * target + (1 - m) * online."""
-    if not 0 <= float(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return float(text)
+positive_int = checked(int, lambda n: n >= 1, "a positive integer")
+non_negative_int = checked(int, lambda n: n >= 0, "0 or a positive integer")
+positive_float = checked(float, lambda x: x > 0, "a positive number")
+momentum_value = checked(float, lambda m: 0 <= m < 1, "in [0, 1)")  # EMA: t <- m t + (1 - m) o
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -84,8 +67,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 def add_common_args(parser):
-    """The options every script shares. Batch, epochs, lr, wd, warm-up and crop scale get their
-    defaults from each method file (parser.set_defaults, with their sources)."""
+    """The shared options; each method file sets its own batch, epochs, lr, wd, warm-up, crop."""
     a = parser.add_argument
     a("--dataset", choices=["cifar10", "cifar100", "stl10", "imagefolder"], default="cifar10",
       help="imagefolder reads DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*")
@@ -93,8 +75,7 @@ def add_common_args(parser):
     a("--image-size", type=positive_int, help="default: 32 CIFAR, 96 STL-10, 224 imagefolder")
     a("--stream", action="store_true", help="imagefolder: decode in DataLoader workers every "
       "epoch (automatic when the decoded set would fill over half the free device memory)")
-    a("--workers", type=non_negative_int, default=min(8, os.cpu_count() or 1),
-      help="DataLoader workers that decode image files")
+    a("--workers", type=non_negative_int, default=min(8, os.cpu_count() or 1), help="decoders")
     a("--limit-train", type=positive_int, help="use only the first N training images")
     a("--arch", choices=["resnet18", "resnet34", "resnet50"], default="resnet18", help="backbone")
     a("--width", type=positive_int, default=64, help="base channel count (64 = standard ResNet)")
@@ -105,8 +86,7 @@ def add_common_args(parser):
     a("--warmup-epochs", type=non_negative_int, help="linear learning-rate warm-up epochs")
     a("--crop-scale", type=float, nargs=2, metavar=("MIN", "MAX"), help="random crop's area range")
     a("--out", help="run folder (default runs/<script>-<time>)")
-    a("--resume", metavar="RUN", help="continue RUN bit-for-bit (or evaluate a finished RUN again "
-      "with other evaluation options)")
+    a("--resume", metavar="RUN", help="continue RUN bit-for-bit, or evaluate a finished RUN again")
     a("--stop-after", type=positive_int, help="end after that many epochs in all (then --resume)")
     a("--eval-every", type=positive_int, default=10, help="kNN monitor every N epochs (and last)")
     a("--knn-k", type=positive_int, default=200, help="neighbours of the kNN monitor")
@@ -119,8 +99,7 @@ def add_common_args(parser):
     a("--seed", type=int, default=0, help="random seed (model init, data order, augmentation)")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu",
       help="cuda, cuda:N or cpu (under torchrun, cuda means cuda:LOCAL_RANK)")
-    a("--amp", action=argparse.BooleanOptionalAction, help="bf16 autocast on CUDA (default: "
-      "where the GPU has native bf16)")
+    a("--amp", action=argparse.BooleanOptionalAction, help="bf16 autocast (default: native bf16)")
     a("--compile", action="store_true", help="torch.compile the model (one process only)")
 
 
@@ -130,8 +109,8 @@ RESUMABLE = {"resume", "device", "data_dir", "workers", "stop_after", "eval_ever
 
 
 def parse_args(parser, argv, script):
-    """The run's arguments: a new run gets a fresh --out (a folder holding a run is refused);
-    --resume RUN takes RUN's config.json, changed only by the options in RESUMABLE."""
+    """A new run gets a fresh --out (a folder holding a run is refused); --resume RUN takes RUN's
+    config.json, changed only by the options in RESUMABLE."""
     args = parser.parse_args(argv)
     if args.resume is None:
         args.out = args.out or os.path.join("runs", f"{script}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -162,7 +141,6 @@ def parse_args(parser, argv, script):
 
 
 # ------------------------------------------------------------------------------ processes
-
 @dataclass
 class Context:
     rank: int
@@ -172,21 +150,16 @@ class Context:
     out: str
     amp: bool
 
-    @property
-    def is_main(self):
-        return self.rank == 0
-
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp)
 
     def print(self, *text):
-        if self.is_main:
+        if self.rank == 0:
             tqdm.write(" ".join(str(t) for t in text))
 
 
 def setup(args):
-    """This process's device and the process group of torchrun's processes (a world of one
-    without torchrun). On CUDA also the cuDNN autotuner; matmuls stay full float32 (no TF32)."""
+    """This process's device and torchrun's process group; cuDNN autotuner on, no TF32 matmuls."""
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.batch_size % world or args.batch_size // world < 2:
@@ -197,9 +170,8 @@ def setup(args):
         raise UserError(f"--device {args.device}: use cuda, cuda:N or cpu")
     if device.type == "cuda":
         count = torch.cuda.device_count()
-        # torchrun: one GPU per local rank; a launcher that shows each process one GPU: that one
-        device = device if device.index is not None else torch.device(
-            "cuda", local_rank if count > 1 else 0)
+        if device.index is None:  # torchrun: a GPU per local rank; or the one GPU a process sees
+            device = torch.device("cuda", local_rank if count > 1 else 0)
         if device.index >= count:
             raise UserError(f"--device {device}, but {count} CUDA GPU(s) are visible here")
         torch.cuda.set_device(device)
@@ -221,12 +193,8 @@ def world_size():
 
 
 class _GatherWithGrad(torch.autograd.Function):
-    """all_gather whose backward hands each rank the gradient of its own rows.
-
-    Every rank's loss uses every rank's rows, so the gradient of the global loss with respect to
-    my rows is the sum over ranks of their losses' gradients: all_reduce(SUM), then my slice.
-    (dist.all_gather has no backward: the other ranks' negatives would get no gradient.)
-    """
+    """all_gather with a backward (dist.all_gather has none: the other ranks' rows would get no
+    gradient). Every rank's loss uses my rows: their gradient is all_reduce(SUM), my slice."""
 
     @staticmethod
     def forward(ctx, x):
@@ -234,8 +202,7 @@ class _GatherWithGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = all_reduce_sum(grad.contiguous())
-        rows = grad.shape[0] // dist.get_world_size()
+        grad, rows = all_reduce_sum(grad.contiguous()), grad.shape[0] // dist.get_world_size()
         return grad[dist.get_rank() * rows:(dist.get_rank() + 1) * rows]
 
 
@@ -262,9 +229,8 @@ def all_reduce_sum(x):
 
 
 class GatherBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm with statistics over every rank's batch, for CPU (gloo) runs: torch's
-    SyncBatchNorm runs on CUDA only. It all-gathers the per-rank means and sums of squared
-    deviations with gradient, so 2 CPU processes normalise exactly as one would."""
+    """BatchNorm over every rank's batch for CPU (gloo) runs, where torch's SyncBatchNorm does not
+    run: per-rank means and sums of squared deviations are all-gathered with gradient."""
 
     def _check_input_dim(self, x):
         if x.dim() < 2:
@@ -290,8 +256,7 @@ class GatherBatchNorm(nn.modules.batchnorm._BatchNorm):
 
 
 def sync_batchnorm(module, ctx):
-    """Every BatchNorm of `module` normalises over the global batch: SyncBatchNorm on CUDA,
-    GatherBatchNorm on CPU (changed in place and returned)."""
+    """Every BatchNorm of `module`, in place, over the global batch (SyncBatchNorm on CUDA)."""
     if ctx.world == 1:
         return module
     if ctx.device.type == "cuda":
@@ -307,8 +272,8 @@ def sync_batchnorm(module, ctx):
 
 
 def distribute(model, ctx):
-    """Global BatchNorm, channels_last on CUDA, DDP across processes: the module to call.
-    (`model` itself stays the bare module, whose state_dict has no 'module.' prefix.)"""
+    """Global BatchNorm, channels_last on CUDA, DDP across processes -> the module to call
+    (`model` itself stays the bare module, whose state_dict has no 'module.' prefix)."""
     model = sync_batchnorm(model, ctx)
     if ctx.device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
@@ -335,54 +300,12 @@ def float32(t):
 
 
 # ------------------------------------------------------------------------------ ResNet
-
-class BasicBlock(nn.Module):
-    expansion = 1
-
-    def __init__(self, c_in, c, stride):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c_in, c, 3, stride, 1, bias=False), nn.BatchNorm2d(c)
-        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c)
-        self.downsample = shortcut(c_in, c, stride)
-
-    def forward(self, x):
-        out = F.relu(self.bn1(self.conv1(x)))
-        identity = x if self.downsample is None else self.downsample(x)
-        return F.relu(self.bn2(self.conv2(out)) + identity)
-
-
-class Bottleneck(nn.Module):
-    expansion = 4
-
-    def __init__(self, c_in, c, stride):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c_in, c, 1, bias=False), nn.BatchNorm2d(c)
-        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, stride, 1, bias=False), nn.BatchNorm2d(c)
-        self.conv3, self.bn3 = nn.Conv2d(c, 4 * c, 1, bias=False), nn.BatchNorm2d(4 * c)
-        self.downsample = shortcut(c_in, 4 * c, stride)
-
-    def forward(self, x):
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = F.relu(self.bn2(self.conv2(out)))
-        identity = x if self.downsample is None else self.downsample(x)
-        return F.relu(self.bn3(self.conv3(out)) + identity)
-
-
-def shortcut(c_in, c_out, stride):
-    """torchvision's `downsample`: 1x1 conv + BN where the block changes the shape, else None."""
-    if stride == 1 and c_in == c_out:
-        return None
-    return nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
-
-
 class ResNet(nn.Module):
     """ResNet-18/34/50 backbone: image (B, 3, S, S) -> features (B, out_dim), no classifier.
-
-    Written out, not torchvision's class, so that `width` can shrink every layer for CPU runs;
-    the module names are torchvision's, so at width 64 the weights load into
-    torchvision.models.resnet18/34/50 (with `fc` dropped). Images up to 64 px get the CIFAR stem
-    (3x3 stride-1 conv, no max-pool): the ImageNet one would shrink 32 px to 8 before layer1.
-    """
+    Written out, not torchvision's class, so that `width` (--width) can shrink every layer; its
+    blocks and names are torchvision's: at width 64 the weights load into torchvision's resnet
+    (fc dropped). Up to 64 px the CIFAR stem (3x3 stride-1 conv, no max-pool): the ImageNet one
+    would shrink 32 px to 8 before layer1."""
     LAYERS = {"resnet18": (BasicBlock, [2, 2, 2, 2]), "resnet34": (BasicBlock, [3, 4, 6, 3]),
               "resnet50": (Bottleneck, [3, 4, 6, 3])}
 
@@ -396,10 +319,13 @@ class ResNet(nn.Module):
         self.maxpool = nn.Identity() if small else nn.MaxPool2d(3, 2, 1)
         c_in = width
         for i, n in enumerate(blocks):
-            layer = []
+            layer, c = [], width * 2 ** i
             for j in range(n):
-                layer.append(block(c_in, width * 2 ** i, stride=2 if i > 0 and j == 0 else 1))
-                c_in = width * 2 ** i * block.expansion
+                stride, c_out = 2 if i > 0 and j == 0 else 1, c * block.expansion
+                shortcut = None if stride == 1 and c_in == c_out else nn.Sequential(
+                    nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+                layer.append(block(c_in, c, stride, shortcut))
+                c_in = c_out
             setattr(self, f"layer{i + 1}", nn.Sequential(*layer))
         self.out_dim = c_in
         for m in self.modules():
@@ -416,7 +342,6 @@ class ResNet(nn.Module):
 
 
 # ------------------------------------------------------------------------------ data
-
 STATS = {"cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
          "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
          "stl10": ((0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)),
@@ -425,12 +350,9 @@ STATS = {"cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
 
 @dataclass
 class Data:
-    """The pre-training set and the two evaluation splits; labels are -1 where unlabelled.
-
-    On the device: `train` is uint8 (N, 3, S, S), the eval splits (uint8 images, labels), and
-    eval_train shares train's tensor where they are the same images. Streaming (--stream):
-    `train` and the eval splits are ImageFiles datasets that DataLoader workers decode.
-    """
+    """The pre-training set and two evaluation splits, labels -1 where unlabelled. On the device:
+    `train` uint8 (N, 3, S, S), the splits (images, labels), eval_train sharing train's tensor
+    where they are the same images. Streaming: ImageFiles that DataLoader workers decode."""
     train: object
     train_labels: torch.Tensor
     eval_train: object
@@ -448,23 +370,19 @@ class Data:
 def load_data(args, ctx, crops=2):
     """--dataset as Data; `crops`: random crops per image that a streaming train set makes."""
     mean, std = STATS[args.dataset]
+    size = {"cifar10": 32, "cifar100": 32, "stl10": 96}.get(args.dataset, args.image_size or 224)
     if args.dataset == "imagefolder":
-        return image_folder(args, ctx, mean, std, crops)
-    size = 96 if args.dataset == "stl10" else 32
-    if args.image_size not in (None, size):
+        data = image_folder(args, ctx, size, mean, std, crops)
+    elif args.image_size not in (None, size):
         raise UserError(f"--image-size {args.image_size}: {args.dataset} images are {size} px")
-    if args.dataset == "stl10":  # pre-train on train+unlabeled, evaluate on the labelled splits
+    elif args.dataset == "stl10":  # pre-train on train+unlabeled, evaluate on the labelled splits
         train = torchvision_split(args, ctx, args.limit_train, split="train+unlabeled")
-        eval_train = torchvision_split(args, ctx, args.limit_train, split="train")
-        test = torchvision_split(args, ctx, None, split="test")
+        data = Data(*train, torchvision_split(args, ctx, args.limit_train, split="train"),
+                    torchvision_split(args, ctx, None, split="test"), 10, size, mean, std)
     else:
-        train = eval_train = torchvision_split(args, ctx, args.limit_train, train=True)
-        test = torchvision_split(args, ctx, None, train=False)
-    classes = 100 if args.dataset == "cifar100" else 10
-    return check_size(Data(train[0], train[1], eval_train, test, classes, size, mean, std), args)
-
-
-def check_size(data, args):
+        train = torchvision_split(args, ctx, args.limit_train, train=True)
+        data = Data(*train, train, torchvision_split(args, ctx, None, train=False),
+                    100 if args.dataset == "cifar100" else 10, size, mean, std)
     if len(data) < args.batch_size:
         raise UserError(f"--batch-size {args.batch_size} is more than the {len(data)} training "
                         f"images; use a smaller batch")
@@ -496,8 +414,8 @@ def torchvision_split(args, ctx, limit, **split):
     return images[:limit].contiguous().to(ctx.device), labels[:limit].long().to(ctx.device)
 
 
-def image_folder(args, ctx, mean, std, crops):
-    size, folders = args.image_size or 224, {}
+def image_folder(args, ctx, size, mean, std, crops):
+    folders = {}
     for split in ("train", "val"):
         root = os.path.join(args.data_dir, split)
         if not os.path.isdir(root):
@@ -516,24 +434,18 @@ def image_folder(args, ctx, mean, std, crops):
     train, val = folders["train"].samples[:args.limit_train], folders["val"].samples
     labels = [torch.tensor([y for _, y in s], device=ctx.device) for s in (train, val)]
     classes = len(folders["train"].classes)
-    if args.stream or not fits_on_device((len(train) + len(val)) * 3 * size * size, ctx):
-        streamed = Data(ImageFiles(train, size, crops, args.crop_scale), labels[0],
-                        ImageFiles(train, size), ImageFiles(val, size), classes, size, mean, std,
-                        streaming=True)
-        return check_size(streamed, args)
+    if ctx.device.type == "cuda":  # decoded on the device if it takes at most half the free memory
+        free = torch.cuda.mem_get_info(ctx.device)[0]
+    else:  # CPU: the free host memory, which this node's processes share
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        free //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if args.stream or (len(train) + len(val)) * 3 * size * size > free // 2:
+        return Data(ImageFiles(train, size, crops, args.crop_scale), labels[0],
+                    ImageFiles(train, size), ImageFiles(val, size), classes, size, mean, std,
+                    streaming=True)
     images = decode(train, size, args.workers, ctx)  # once: pre-training and kNN share it
-    val_images = decode(val, size, args.workers, ctx)
-    return check_size(Data(images, labels[0], (images, labels[0]), (val_images, labels[1]),
-                           classes, size, mean, std), args)
-
-
-def fits_on_device(nbytes, ctx):
-    """Hold a decoded image folder on the device if it takes at most half of the free memory
-    there (CPU: of the free host memory, which this node's processes share)."""
-    if ctx.device.type == "cuda":
-        return nbytes <= torch.cuda.mem_get_info(ctx.device)[0] // 2
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return nbytes <= free // 2 // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return Data(images, labels[0], (images, labels[0]),
+                (decode(val, size, args.workers, ctx), labels[1]), classes, size, mean, std)
 
 
 class ImageFiles(torch.utils.data.Dataset):
@@ -567,8 +479,7 @@ class ImageFiles(torch.utils.data.Dataset):
 
 
 def decode(samples, size, workers, ctx):
-    """Image files -> uint8 (N, 3, S, S) on the device: each rank decodes its share, then every
-    rank gathers the whole set."""
+    """Image files -> uint8 (N, 3, S, S) on every rank, each rank decoding its share."""
     share = -(-len(samples) // ctx.world)
     mine = ImageFiles(samples[ctx.rank * share:(ctx.rank + 1) * share], size)
     try:
@@ -580,27 +491,22 @@ def decode(samples, size, workers, ctx):
 
 
 def epoch_generators(seed, epoch, device):
-    """This epoch's two generators, from (seed, epoch), so that a resumed run draws what an
-    uninterrupted one would: data order and pairings on the CPU (CUDA's random kernels depend on
-    the GPU model), augmentation on the device."""
+    """This epoch's generators from (seed, epoch), so a resumed run draws as an uninterrupted one:
+    data order and pairings on the CPU (CUDA's random kernels depend on the GPU model), and one
+    for augmentation on the device."""
     seed = 2 * (seed * 100003 + epoch)
     return torch.Generator().manual_seed(seed), torch.Generator(device).manual_seed(seed + 1)
 
 
 def train_batches(data, batch_size, generator, ctx, workers=0):
-    """This rank's slice (batch_size / world images) of each global batch of one epoch.
-
-    The permutation comes from `generator` (CPU), seeded alike on every rank, so rank r takes rows
-    [r*b, (r+1)*b) of the global batch one process would take. Yields (images, labels): uint8
-    (b, 3, S, S) on the device, or (b, crops, 3, S, S) pre-cropped when streaming.
-    """
+    """This rank's slice of each global batch of one epoch: (images, labels), uint8 (b, 3, S, S)
+    on the device, or (b, crops, 3, S, S) pre-cropped when streaming. The order comes from
+    `generator` (CPU), seeded alike everywhere: rank r takes rows [r*b, (r+1)*b) of the batch."""
     b, steps = batch_size // ctx.world, len(data) // batch_size
     perm = torch.randperm(len(data), generator=generator)[:steps * batch_size]
     mine = perm.view(steps, ctx.world, b)[:, ctx.rank].flatten()  # (steps * b,)
     if not data.streaming:
-        mine = mine.to(ctx.device)
-        for step in range(steps):
-            rows = mine[step * b:(step + 1) * b]
+        for rows in mine.to(ctx.device).split(b):
             yield data.train[rows], data.train_labels[rows]
         return
     data.train.seed = int(torch.randint(2 ** 62, (1,), generator=generator))  # this epoch's crops
@@ -611,7 +517,6 @@ def train_batches(data, batch_size, generator, ctx, workers=0):
 
 
 # ------------------------------------------------------------------------------ augmentation
-
 @dataclass
 class Recipe:
     """One view's augmentation: which ops, their strengths and probabilities."""
@@ -632,18 +537,14 @@ def grayscale(x):
     return (0.2989 * r + 0.587 * g + 0.114 * b).unsqueeze(1)
 
 
-def adjust_brightness(x, factor):  # factor: (B,), one per image, as every op below
-    return (x * factor.view(-1, 1, 1, 1)).clamp(0, 1)
-
-
-def adjust_contrast(x, factor):
-    mean, f = grayscale(x).mean(dim=(1, 2, 3), keepdim=True), factor.view(-1, 1, 1, 1)
-    return (f * x + (1 - f) * mean).clamp(0, 1)
-
-
-def adjust_saturation(x, factor):
-    f = factor.view(-1, 1, 1, 1)
-    return (f * x + (1 - f) * grayscale(x)).clamp(0, 1)
+def colour_jitter(x, brightness, contrast, saturation, hue=None):
+    """torchvision's ColorJitter ops in its order, a factor (B,) per image for each (1: unchanged;
+    `hue` in turns, None: skipped); the first three blend x with black, its mean grey, its grey."""
+    b, c, s = (f.view(-1, 1, 1, 1) for f in (brightness, contrast, saturation))
+    x = (b * x).clamp(0, 1)
+    x = (c * x + (1 - c) * grayscale(x).mean(dim=(1, 2, 3), keepdim=True)).clamp(0, 1)
+    x = (s * x + (1 - s) * grayscale(x)).clamp(0, 1)
+    return x if hue is None else adjust_hue(x, hue)
 
 
 def adjust_hue(x, shift):
@@ -708,11 +609,9 @@ def resized_crop_flip(x, top, left, h, w, flip, size):
     grid_sample. The affine map sends the output's [-1, 1] square onto the box; with
     align_corners=False it samples where torchvision's resized_crop (no antialias) samples."""
     B, _, H, W = x.shape
-    theta = torch.zeros(B, 2, 3, device=x.device, dtype=x.dtype)
-    theta[:, 0, 0] = torch.where(flip, -w / W, w / W)
-    theta[:, 0, 2] = (2 * left + w) / W - 1
-    theta[:, 1, 1] = h / H
-    theta[:, 1, 2] = (2 * top + h) / H - 1
+    zero = torch.zeros_like(w)
+    theta = torch.stack([torch.where(flip, -w / W, w / W), zero, (2 * left + w) / W - 1,
+                         zero, h / H, (2 * top + h) / H - 1], 1).view(B, 2, 3).to(x)
     grid = F.affine_grid(theta, (B, 3, size, size), align_corners=False)
     return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
@@ -725,13 +624,9 @@ def normalize(x, mean, std):
 
 
 class Augment:
-    """Batched augmentation on the device with per-sample random parameters, a recipe per view.
-
-    Parameters are drawn for the whole global batch from a generator seeded alike on every rank,
-    and each rank keeps its rows: N processes augment exactly as one does. (transforms.v2 on a
-    batch draws one set of parameters for the whole batch.) Colour jitter runs in the fixed
-    order brightness, contrast, saturation, hue.
-    """
+    """Batched augmentation on the device, a Recipe per view, with random parameters per sample
+    (transforms.v2 on a batch draws one set for all), drawn for the global batch from a generator
+    seeded alike on every rank: each rank keeps its rows, so N processes augment as one does."""
 
     def __init__(self, recipes, size, mean, std, ctx):
         self.recipes, self.size, self.ctx = recipes, size, ctx
@@ -757,14 +652,11 @@ class Augment:
         if crop:
             box = sample_crop_boxes(rand, b, x.shape[2], x.shape[3], r.crop_scale, r.crop_ratio)
             x = resized_crop_flip(x, *box, rand(b) < r.flip_p, self.size)
-        bright, contrast, sat, hue = r.jitter
         if any(r.jitter):
-            jitter = rand(b) < r.jitter_p
-            y = adjust_brightness(x, 1 - bright + 2 * bright * rand(b))
-            y = adjust_contrast(y, 1 - contrast + 2 * contrast * rand(b))
-            y = adjust_saturation(y, 1 - sat + 2 * sat * rand(b))
-            y = adjust_hue(y, hue * (2 * rand(b) - 1)) if hue > 0 else y
-            x = torch.where(jitter.view(-1, 1, 1, 1), y, x)
+            jitter = rand(b) < r.jitter_p  # drawn before the factors
+            factors = [1 - s + 2 * s * rand(b) for s in r.jitter[:3]]
+            hue = r.jitter[3] * (2 * rand(b) - 1) if r.jitter[3] > 0 else None
+            x = torch.where(jitter.view(-1, 1, 1, 1), colour_jitter(x, *factors, hue), x)
         if r.gray_p > 0:
             x = where(r.gray_p, grayscale(x).expand_as(x), x)
         if r.blur_p > 0:
@@ -777,33 +669,27 @@ class Augment:
 
 
 # ------------------------------------------------------------------------------ evaluation
-
 @torch.no_grad()
 def extract_features(backbone, split, data, ctx, workers=0, unit=True):
-    """Backbone features (L2-normalised if `unit`) of un-augmented images, ranks sharing the work,
-    gathered on every rank -> (N', F), (N',), N' = world * ceil(N / world), padding labelled -1.
-    float16 on CUDA (ImageNet: 1.28M x 2048 x 2 bytes = 5.2 GB on every rank), float32 on CPU."""
+    """Features (L2-normalised if `unit`) of un-augmented images, ranks sharing the work, gathered
+    on every rank -> (N', F), (N',), N' = world * ceil(N / world), padding labelled -1. float16
+    on CUDA (ImageNet: 1.28M x 2048 x 2 bytes = 5.2 GB on every rank), float32 on CPU."""
     was_training, device = backbone.training, ctx.device
-    backbone.eval()
     n = len(split[1]) if isinstance(split, tuple) else len(split)
     share = -(-n // ctx.world)
-    mine = range(min(ctx.rank * share, n), min((ctx.rank + 1) * share, n))
-    if isinstance(split, tuple):
-        batches = ((split[0][i:min(i + 256, mine.stop)], split[1][i:min(i + 256, mine.stop)])
-                   for i in range(mine.start, mine.stop, 256))
-    else:
-        batches = torch.utils.data.DataLoader(torch.utils.data.Subset(split, mine), 256,
-                                              num_workers=workers)
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
-    features = torch.zeros(share, backbone.out_dim, dtype=dtype, device=device)
+    lo, hi = min(ctx.rank * share, n), min((ctx.rank + 1) * share, n)
+    batches = zip(*(t[lo:hi].split(256) for t in split)) if isinstance(split, tuple) else \
+        torch.utils.data.DataLoader(torch.utils.data.Subset(split, range(lo, hi)), 256,
+                                    num_workers=workers)
+    features = torch.zeros(share, backbone.out_dim, device=device,
+                           dtype=torch.float16 if device.type == "cuda" else torch.float32)
     labels = torch.full((share,), -1, dtype=torch.long, device=device)
-    done = 0
-    for images, y in batches:
+    backbone.eval()
+    for i, (images, y) in enumerate(batches):  # batches of 256
         with ctx.autocast():
             f = backbone(normalize(images.to(device).float() / 255, data.mean, data.std)).float()
-        features[done:done + len(y)] = F.normalize(f, dim=1) if unit else f
-        labels[done:done + len(y)] = y
-        done += len(y)
+        features[256 * i:256 * i + len(y)] = F.normalize(f, dim=1) if unit else f
+        labels[256 * i:256 * i + len(y)] = y
     backbone.train(was_training)
     return gather(features), gather(labels)
 
@@ -811,8 +697,7 @@ def extract_features(backbone, split, data, ctx, workers=0, unit=True):
 @torch.no_grad()
 def knn_accuracy(train_f, train_y, test_f, test_y, num_classes, k=200, t=0.1, ctx=None):
     """Weighted kNN (InstDisc / MoCo monitor): the k most cosine-similar training features vote
-    with weight exp(sim / t). Features L2-normalised; rows labelled -1 take no part; ranks split
-    the test set -> top-1 %."""
+    with weight exp(sim / t); rows labelled -1 take no part; ranks split the test set -> top-1 %."""
     world, rank = (ctx.world, ctx.rank) if ctx else (1, 0)
     k, unlabelled, share = min(k, int((train_y >= 0).sum())), train_y < 0, -(-len(test_y) // world)
     correct = torch.zeros((), device=test_f.device)
@@ -844,9 +729,8 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed
     generator = torch.Generator(device=train_f.device).manual_seed(seed)
     for _ in range(epochs):
         perm = rows[torch.randperm(len(rows), generator=generator, device=rows.device)]
-        for i in range(0, len(perm), batch):
-            x = (train_f[perm[i:i + batch]].float() - mean) / std
-            loss = F.cross_entropy(classifier(x), train_y[perm[i:i + batch]])
+        for r in perm.split(batch):
+            loss = F.cross_entropy(classifier((train_f[r].float() - mean) / std), train_y[r])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -862,16 +746,16 @@ def linear_probe_augmented(backbone, data, ctx, epochs=90, lr=30.0, seed=0, batc
     frozen backbone, trained on crop+flip views, SGD momentum 0.9, no weight decay, cosine."""
     if data.streaming:
         raise UserError("--linear-aug needs the data set held on the device (not --stream)")
-    images, labels = data.eval_train
+    (images, labels), b = data.eval_train, batch // ctx.world
     rows = (labels >= 0).nonzero()[:, 0].cpu()
+    steps = len(rows) // batch
     backbone.eval()
     classifier = nn.Linear(backbone.out_dim, data.num_classes).to(ctx.device)
     nn.init.zeros_(classifier.weight)
     optimizer = torch.optim.SGD(classifier.parameters(), lr=lr * batch / 256, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(1, epochs * steps))
     augment = Augment([Recipe(jitter=(0, 0, 0, 0), gray_p=0)], data.image_size, data.mean,
                       data.std, ctx)
-    b, steps = batch // ctx.world, len(rows) // batch
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(1, epochs * steps))
     for epoch in range(epochs):
         order, generator = epoch_generators(seed + 1, epoch, ctx.device)
         order = rows[torch.randperm(len(rows), generator=order)]
@@ -912,7 +796,6 @@ def evaluate(backbone, data, ctx, args, final=False):
 
 
 # ------------------------------------------------------------------------------ training loop
-
 def learning_rate(step, total_steps, warmup_steps, peak, schedule="cosine"):
     """Linear warm-up to `peak`, then cosine decay to 0 (or constant)."""
     if step < warmup_steps:
@@ -924,14 +807,13 @@ def learning_rate(step, total_steps, warmup_steps, peak, schedule="cosine"):
 
 
 class EpochMeter:
-    """Progress bar and per-epoch means of the step's scalars, summed on the device: one host
-    sync every `every` steps, to show this rank's loss, the lr and images/s."""
+    """The epoch's progress bar (this rank's mean loss, lr, images/s; the host syncs only every
+    `every` steps) and, from summary(), each scalar's mean over steps and ranks."""
 
     def __init__(self, ctx, epoch, epochs, steps, images_per_step, every=20):
-        self.ctx, self.every, self.images_per_step = ctx, every, images_per_step
-        self.sums, self.steps, self.lr, self.shown = {}, 0, 0.0, 0
-        self.record = {"epoch": epoch + 1}
-        self.bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{epochs}", disable=not ctx.is_main,
+        self.ctx, self.epoch, self.every, self.images_per_step = ctx, epoch, every, images_per_step
+        self.sums, self.steps, self.lr = {}, 0, 0.0
+        self.bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{epochs}", disable=ctx.rank != 0,
                         dynamic_ncols=True, leave=False)
         self.start = self.last = time.perf_counter()
 
@@ -940,22 +822,20 @@ class EpochMeter:
         for name, value in scalars.items():
             self.sums[name] = self.sums.get(name, 0) + value.detach().float()
         if self.steps % self.every == 0:
-            now = time.perf_counter()
-            rate = (self.steps - self.shown) * self.images_per_step / (now - self.last)
-            self.last, self.shown = now, self.steps
-            loss = self.sums["loss"].item() / self.steps
+            now, loss = time.perf_counter(), self.sums["loss"].item() / self.steps
+            rate = self.every * self.images_per_step / (now - self.last)
             self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.4g}", img_s=f"{rate:.0f}")
-            self.bar.update(self.steps - self.bar.n)
+            self.bar.update(self.every)
+            self.last = now
 
     def summary(self):
-        """Means over steps and ranks of every scalar, with lr and images/s; closes the bar."""
+        """{epoch, each scalar's mean, lr, images_per_s, seconds}; closes the bar."""
         self.bar.close()
         seconds = time.perf_counter() - self.start
-        for name, total in self.sums.items():
-            self.record[name] = all_reduce_sum(total).item() / (self.steps * self.ctx.world)
-        self.record.update(lr=self.lr, images_per_s=self.steps * self.images_per_step / seconds,
-                           seconds=seconds)
-        return self.record
+        means = {k: all_reduce_sum(s).item() / (self.steps * self.ctx.world)
+                 for k, s in self.sums.items()}
+        return {"epoch": self.epoch + 1, **means, "lr": self.lr,
+                "images_per_s": self.steps * self.images_per_step / seconds, "seconds": seconds}
 
 
 def check_finite(record):
@@ -967,7 +847,7 @@ def check_finite(record):
 
 def log_epoch(ctx, record):
     """Append one JSON line to metrics.jsonl and print it (rank 0)."""
-    if ctx.is_main:
+    if ctx.rank == 0:
         with open(os.path.join(ctx.out, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
         ctx.print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
@@ -975,11 +855,10 @@ def log_epoch(ctx, record):
 
 
 # ------------------------------------------------------------------------------ run folder
-
 def start_run(args, ctx, script):
     """Create the run folder and its config.json (a resumed run keeps its own). Called once the
     data and the model are ready, so that a run that fails to start leaves nothing behind."""
-    if not ctx.is_main or args.resume:
+    if ctx.rank != 0 or args.resume:
         return
     os.makedirs(ctx.out, exist_ok=True)
     try:
@@ -988,7 +867,7 @@ def start_run(args, ctx, script):
     except OSError:
         commit = None
     config = {"script": script, "args": vars(args), "world_size": ctx.world, "command": sys.argv,
-              "versions": {"python": platform.python_version(), "torch": torch.__version__,
+              "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                            "git_commit": commit or None}}
     with open(os.path.join(ctx.out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
@@ -1002,7 +881,7 @@ def save_atomic(obj, path):
 
 def save_checkpoint(ctx, epoch, states):
     """checkpoint.pt: the epochs done and each named state_dict (model, optimizer, queue, ...)."""
-    if ctx.is_main:
+    if ctx.rank == 0:
         state = {name: s.state_dict() for name, s in states.items() if s is not None}
         save_atomic({"epoch": epoch, **state}, os.path.join(ctx.out, "checkpoint.pt"))
 
@@ -1017,15 +896,14 @@ def load_checkpoint(ctx, states):
                         f"from this project; start a new --out") from None
     for name, state in states.items():
         # an optimizer keeps this run's fused/foreach choice, not the saving machine's
-        groups = getattr(state, "param_groups", [])
-        flags = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in groups]
+        flags = [{k: g[k] for k in ("fused", "foreach") if k in g}
+                 for g in getattr(state, "param_groups", [])]
         try:
             state is None or state.load_state_dict(checkpoint[name])
         except (RuntimeError, KeyError, ValueError) as error:
-            detail = " ".join(str(error).split())[:160]
-            raise UserError(f"{path}: the saved {name} does not fit this model ({detail}); "
-                            f"start a new --out") from None
-        for group, flag in zip(getattr(state, "param_groups", []), flags):
+            raise UserError(f"{path}: the saved {name} does not fit this model "
+                            f"({' '.join(str(error).split())[:160]}); start a new --out") from None
+        for group, flag in zip(getattr(state, "param_groups", []), flags):  # new dicts now
             group.update(flag)
     ctx.print(f"resumed {ctx.out} at epoch {checkpoint['epoch']}")
     return checkpoint["epoch"]
@@ -1034,19 +912,18 @@ def load_checkpoint(ctx, states):
 def finish(ctx, backbone, results):
     """backbone.pt (CPU tensors, torchvision's names) and results.json, printing the accuracies.
     A finished run resumed with other evaluation options writes eval-<time>.json beside them."""
-    if not ctx.is_main:
+    if ctx.rank != 0:
         return
-    name = "results.json"
-    if os.path.exists(os.path.join(ctx.out, name)):
-        name = time.strftime("eval-%Y%m%d-%H%M%S.json")
+    path = os.path.join(ctx.out, "results.json")
+    if os.path.exists(path):
+        path = os.path.join(ctx.out, time.strftime("eval-%Y%m%d-%H%M%S.json"))
     else:
         weights = {k: v.cpu() for k, v in backbone.state_dict().items()}
         save_atomic(weights, os.path.join(ctx.out, "backbone.pt"))
-    with open(os.path.join(ctx.out, name), "w") as f:
+    with open(path, "w") as f:
         json.dump(results, f, indent=2)
     line = (f"final kNN top-1 (k={results['knn_k']}): {results['knn_top1']:.2f}%  "
             f"kNN top-1 (k=1): {results['knn_k1_top1']:.2f}%")
     if "linear_top1" in results:
         line += f"  linear probe top-1: {results['linear_top1']:.2f}%"
-    ctx.print(f"{line}\nwritten to {os.path.join(ctx.out, name)}")
-
+    ctx.print(f"{line}\nwritten to {path}")

@@ -16,6 +16,7 @@ from common import Augment, Context, Recipe
 from helpers import run_distributed, run_script, smoke_args, tiny_image_folder
 
 CPU = torch.device("cpu")
+ONE = torch.ones(4)  # a colour_jitter factor that leaves every image unchanged
 
 
 def images(b=4, h=24, w=28, seed=0):
@@ -28,9 +29,21 @@ def images(b=4, h=24, w=28, seed=0):
 @pytest.mark.parametrize(
     "op, tv_op, factors",
     [
-        (common.adjust_brightness, TF.adjust_brightness, [0.6, 1.0, 1.3, 1.4]),
-        (common.adjust_contrast, TF.adjust_contrast, [0.6, 1.0, 1.2, 1.4]),
-        (common.adjust_saturation, TF.adjust_saturation, [0.0, 0.6, 1.0, 1.4]),
+        (
+            lambda x, f: common.colour_jitter(x, f, ONE, ONE),
+            TF.adjust_brightness,
+            [0.6, 1.0, 1.3, 1.4],
+        ),
+        (
+            lambda x, f: common.colour_jitter(x, ONE, f, ONE),
+            TF.adjust_contrast,
+            [0.6, 1.0, 1.2, 1.4],
+        ),
+        (
+            lambda x, f: common.colour_jitter(x, ONE, ONE, f),
+            TF.adjust_saturation,
+            [0.0, 0.6, 1.0, 1.4],
+        ),
         (common.adjust_hue, TF.adjust_hue, [-0.1, -0.03, 0.05, 0.1]),
     ],
 )
