@@ -20,6 +20,7 @@ Rows of the table (benchmarks/README.md explains them at length):
 """
 import argparse
 import contextlib
+import ctypes
 import datetime
 import functools
 import importlib
@@ -77,12 +78,32 @@ def parse_args(argv=None):
     a("--loss-dim", type=int, default=128)
     a("--reps", type=int, default=3, help="timed repetitions of a loss / augmentation (best kept)")
     a("--skip", nargs="*", default=[], choices=["aug", "step", "loss"])
+    a("--glibc-default-malloc", action="store_true",
+      help="CPU: leave glibc returning each large freed block to the OS (see reuse_freed_memory)")
     args = p.parse_args(argv)
     args.method = list(METHODS) if "all" in args.method else args.method
     args.warmup = (5 if args.compile else 2) if args.warmup is None else args.warmup
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be at least 1 (the last warm-up step is recorded)")
     return args
+
+
+def reuse_freed_memory():
+    """CPU: let freed tensors' memory be reused, as PyTorch's CUDA caching allocator does on a GPU.
+
+    glibc's malloc gives each block over 32 MB its own mmap and returns it to the OS when freed, so
+    every such tensor (MoCo v2's (256, 65537) logits are 67 MB) page-faults its memory in again:
+    on this project's CPU that doubled MoCo v2's loss (about 190 -> 80 ms) and slowed its step by
+    a third. PyTorch's performance tuning guide recommends jemalloc or tcmalloc on CPU for the same
+    reason; mallopt does it without a library. Returns whether glibc took the settings.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+    return bool(libc.mallopt(m_mmap_threshold, 2 ** 30)
+                and libc.mallopt(m_trim_threshold, 2 ** 31 - 1))
 
 
 def sync(device):
@@ -293,7 +314,7 @@ def measure_step(name, args, out):
     n = (args.warmup + args.steps + 1) * batch  # one epoch holds every step main() takes
     probe = StepProbe(mod, args.warmup, args.steps)
     with contextlib.ExitStack() as stack:  # main() calls these through module attributes
-        stack.enter_context(replaced(common, "load_data", lambda a, ctx: synthetic_data(
+        stack.enter_context(replaced(common, "load_data", lambda a, ctx, crops=2: synthetic_data(
             n, args.step_image_size, ctx.device)))
         stack.enter_context(replaced(mod, "train_step", probe.step))
         for loss_name, loss in probe.losses.items():
@@ -406,6 +427,8 @@ def main(argv=None):
     else:
         name = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                 f"{torch.get_num_threads()} threads")
+        reused = not args.glibc_default_malloc and reuse_freed_memory()
+        name += "; freed memory reused (mallopt)" if reused else "; glibc's default malloc"
         amp = False
     torch.manual_seed(0)
     started = time.perf_counter()
