@@ -538,8 +538,9 @@ def grayscale(x):
 
 
 def colour_jitter(x, brightness, contrast, saturation, hue=None):
-    """torchvision's ColorJitter ops in its order, a factor (B,) per image for each (1: unchanged;
-    `hue` in turns, None: skipped); the first three blend x with black, its mean grey, its grey."""
+    """torchvision's ColorJitter ops in a fixed order (torchvision shuffles it per call), a factor
+    (B,) per image for each (1: unchanged; `hue` in turns, None: skipped); the first three blend x
+    with black, its mean grey, its grey."""
     b, c, s = (f.view(-1, 1, 1, 1) for f in (brightness, contrast, saturation))
     x = (b * x).clamp(0, 1)
     x = (c * x + (1 - c) * grayscale(x).mean(dim=(1, 2, 3), keepdim=True)).clamp(0, 1)
