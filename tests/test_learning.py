@@ -22,12 +22,14 @@ import json
 import os
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 import moco_simmoco_simco
 import nnclr_dcl
 import simclr_dcl
 import simsiam_byol_gsg
-from helpers import texture_image_folder
+from helpers import smoke_args, texture_image_folder
 
 MARGIN = 10.0  # kNN top-1 points over the untrained network; the smallest measured gap was 20
 PROJ_DIM = 64
@@ -95,8 +97,8 @@ def test_method_ends_above_the_untrained_network(name, trained):
     loss without its stop-gradient (46.8% vs 65.0%); the same view fed to the loss twice in SimSiam
     and BYOL, symmetric or guided (67.0-72.2%); guided's case choice reversed (65.6-68.0%).
     Not caught at this scale: the same view twice in SimCLR, MoCo v2, SimMoCo, SimCo and NNCLR
-    (60.6-75.6% vs 46.2%: single-view contrastive training alone lifts kNN that much here); a
-    frozen BYOL target or MoCo key encoder, an NNCLR support set never written, guided SimSiam
+    (60.6-75.6% vs 46.2%: single-view contrastive training alone lifts kNN that much here; the
+    two-views test below catches it); a frozen BYOL target or MoCo key encoder, an NNCLR support set never written, guided SimSiam
     without stop-gradients (79-88%: these still learn, as against a random target).
     """
     untrained = trained(f"untrained-{RUNS[name][0].__name__}")[0]["knn_top1"]
@@ -122,3 +124,41 @@ def test_gsg_without_predictor_symmetric_collapses_guided_does_not(trained):
     falls = all(later < earlier for earlier, later in zip(symmetric, symmetric[1:]))
     assert falls and symmetric[-1] < 0.8 * spread, f"symmetric proj_std per epoch {symmetric}"
     assert guided[-1] > 0.9 * spread, f"guided proj_std per epoch {guided}"
+
+
+# name -> (script, its loss function, options, the loss arguments that are two views' embeddings)
+TWO_VIEWS = {
+    "simclr": (simclr_dcl, "contrastive_loss", [], [(0, 1)]),  # z1, z2
+    "mocov2": (moco_simmoco_simco, "dual_temperature_loss",
+               ["--method", "mocov2", "--queue-size", "64"], [(0, 1)]),  # q1, k2
+    "simco": (moco_simmoco_simco, "dual_temperature_loss", ["--method", "simco"], [(0, 1)]),
+    "simsiam": (simsiam_byol_gsg, "symmetric_loss", ["--stopgrad", "symmetric"], [(2, 3)]),
+    "byol-guided": (simsiam_byol_gsg, "guided_stopgrad_loss",  # z11, z12 and partner z21, z22
+                    ["--method", "byol", "--stopgrad", "guided"], [(4, 5), (6, 7)]),
+    "nnclr": (nnclr_dcl, "nnclr_loss", [], [(0, 1)]),  # z1, z2
+}
+
+
+@pytest.mark.parametrize("name", TWO_VIEWS)
+def test_the_loss_gets_two_different_views_of_each_image(name, tiny_folder, tmp_path, monkeypatch):
+    """Each image's two embeddings in the loss come from two augmentations, not one view twice.
+
+    The test above misses that break for the contrastive methods (training on one view still lifts
+    kNN far above the untrained network on the textures), so this one records the loss's arguments
+    in the first step of a real run and compares them as unit vectors: one view twice makes them
+    equal to rounding there (the same weights on the same input; MoCo's key encoder starts as a
+    copy). Broken on purpose (views[0] for both views in each train_step), every case fails.
+    """
+    module, loss_name, options, pairs = TWO_VIEWS[name]
+    loss_fn, calls = getattr(module, loss_name), []
+
+    def recording(*args, **kwargs):
+        calls.append([a.detach().clone() if torch.is_tensor(a) else a for a in args])
+        return loss_fn(*args, **kwargs)
+
+    monkeypatch.setattr(module, loss_name, recording)  # train_step looks the name up at each call
+    module.main(smoke_args(tiny_folder, tmp_path / "run", "--linear-epochs", "0", *options))
+    for i, j in pairs:
+        a, b = (F.normalize(calls[0][k].float(), dim=1) for k in (i, j))
+        assert not torch.allclose(a, b, rtol=1e-4, atol=1e-5), f"{name}: arguments {i}, {j}"
+        assert (a - b).abs().max() > 1e-3, f"{name}: arguments {i}, {j} nearly equal"
