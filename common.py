@@ -2,6 +2,7 @@
 data on the device (or streamed), batched augmentation, kNN and linear probes, exact checkpoints."""
 import argparse
 import datetime
+import inspect
 import json
 import math
 import os
@@ -217,7 +218,8 @@ def gather(x):
     if world_size() == 1:
         return x
     out = x.new_empty((world_size() * x.shape[0],) + x.shape[1:])
-    dist.all_gather_into_tensor(out, x.contiguous())
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # < 2.14
+    all_gather(out, x.contiguous())
     return out
 
 
@@ -280,9 +282,12 @@ def distribute(model, ctx):
     if ctx.world == 1:
         return model
     # global BatchNorm keeps the buffers equal on every rank: nothing to broadcast each step
-    return nn.parallel.DistributedDataParallel(
-        model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-        broadcast_buffers=False)
+    # (torch 2.14 renamed broadcast_buffers to forward_sync_buffers)
+    ddp = nn.parallel.DistributedDataParallel
+    no_sync = {"forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters
+               else "broadcast_buffers": False}
+    return ddp(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+               **no_sync)
 
 
 def compile_model(net, ctx):
