@@ -1,8 +1,6 @@
 """common.py: augmentation against torchvision, evaluation, schedule, global BatchNorm, checkpoints
 and resume, and every bad-input case (run through simclr_dcl.py)."""
 
-import json
-import math
 import os
 
 import pytest
@@ -13,7 +11,7 @@ import torchvision.transforms.functional as TF
 import common
 import simclr_dcl
 from common import Augment, Context, Recipe
-from helpers import run_distributed, run_script, smoke_args, tiny_image_folder
+from helpers import check_run_folder, run_distributed, run_script, smoke_args, tiny_image_folder
 
 CPU = torch.device("cpu")
 ONE = torch.ones(4)  # a colour_jitter factor that leaves every image unchanged
@@ -453,14 +451,18 @@ def test_scripts_print_one_line_and_no_traceback(tiny_folder, tmp_path):
 
 
 def test_streaming_image_folder_and_augmented_linear_probe(tiny_folder, tmp_path):
-    """--stream decodes and crops in DataLoader workers; --linear-aug trains the probe on views."""
+    """--stream decodes and crops in DataLoader workers and writes a whole run; --linear-aug
+    reports the augmented SGD probe, whose accuracy counts the 18 validation images."""
     simclr_dcl.main(smoke_args(tiny_folder, tmp_path / "stream", "--stream"))
-    results = json.load(open(tmp_path / "stream" / "results.json"))
-    assert math.isfinite(results["linear_top1"]) and results["knn_top1"] >= 0
+    _, _, results = check_run_folder(tmp_path / "stream", epochs=1)
+    assert results["linear_protocol"] == "fixed features AdamW"
     simclr_dcl.main(
         smoke_args(tiny_folder, tmp_path / "aug", "--linear-aug", "--linear-epochs", "1")
     )
-    assert 0 <= json.load(open(tmp_path / "aug" / "results.json"))["linear_top1"] <= 100
+    _, _, results = check_run_folder(tmp_path / "aug", epochs=1)
+    assert results["linear_protocol"] == "augmented SGD"
+    correct = results["linear_top1"] * 18 / 100  # 3 classes x 6 validation images
+    assert abs(correct - round(correct)) < 1e-9
 
 
 # ------------------------------------------------------------------------------ GPU-facing choices

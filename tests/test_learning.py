@@ -98,8 +98,9 @@ def test_method_ends_above_the_untrained_network(name, trained):
     and BYOL, symmetric or guided (67.0-72.2%); guided's case choice reversed (65.6-68.0%).
     Not caught at this scale: the same view twice in SimCLR, MoCo v2, SimMoCo, SimCo and NNCLR
     (60.6-75.6% vs 46.2%: single-view contrastive training alone lifts kNN that much here; the
-    two-views test below catches it); a frozen BYOL target or MoCo key encoder, an NNCLR support set never written, guided SimSiam
-    without stop-gradients (79-88%: these still learn, as against a random target).
+    two-views test below catches it); a frozen BYOL target or MoCo key encoder, an NNCLR support
+    set never written, guided SimSiam without stop-gradients (79-88%: these still learn, as
+    against a random target).
     """
     untrained = trained(f"untrained-{RUNS[name][0].__name__}")[0]["knn_top1"]
     knn = trained(name)[0]["knn_top1"]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import common
 import nnclr_dcl
-from helpers import run_distributed, run_script, smoke_args
+from helpers import check_run_folder, run_distributed, run_script, smoke_args
 from nnclr_dcl import SupportSet, dclw_weights, nearest_neighbour, nnclr_loss
 
 TAU = 0.1
@@ -412,23 +412,12 @@ def test_bad_input_is_a_user_error(tiny_folder, tmp_path):
         nnclr_dcl.main(["--resume", str(tmp_path / "b")])
 
 
-def check_run_folder(out, epochs):
-    files = {"config.json", "metrics.jsonl", "checkpoint.pt", "backbone.pt", "results.json"}
-    assert files <= set(os.listdir(out))
-    lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    assert [line["epoch"] for line in lines] == list(range(1, epochs + 1))
-    for line in lines:
-        assert math.isfinite(line["loss"]) and 0 <= line["nn_same_class"] <= 1
-    results = json.load(open(os.path.join(out, "results.json")))
-    assert {"knn_top1", "knn_k1_top1", "linear_top1"} <= results.keys()
-    return lines, results
-
-
 def test_infonce_run_in_process(tiny_folder, tmp_path):
     """The plain NNCLR loss through main(); dcl runs in the resume test, dclw in the smoke test."""
     nnclr_dcl.main(tiny_run(tiny_folder, tmp_path, "--loss", "infonce"))
-    lines, results = check_run_folder(tmp_path, 1)
+    _, lines, results = check_run_folder(tmp_path, 1)
     assert {"nn_same_class", "knn_top1", "images_per_s", "lr"} <= lines[0].keys()
+    assert math.isfinite(lines[0]["loss"]) and "linear_top1" in results
 
 
 def test_smoke_python_and_torchrun_agree(tiny_folder, tmp_path):
@@ -442,8 +431,8 @@ def test_smoke_python_and_torchrun_agree(tiny_folder, tmp_path):
     two = run_script("nnclr_dcl.py", args(tmp_path / "two"), nproc=2)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "final kNN top-1 (k=200)" in one.stdout and "linear probe top-1" in one.stdout
-    (line1,), _ = check_run_folder(tmp_path / "one", 1)
-    (line2,), _ = check_run_folder(tmp_path / "two", 1)
+    _, (line1,), _ = check_run_folder(tmp_path / "one", 1)
+    _, (line2,), _ = check_run_folder(tmp_path / "two", 1)
     assert abs(line1["loss"] - line2["loss"]) < 1e-4
     assert line1["nn_same_class"] == line2["nn_same_class"]
     config = json.load(open(tmp_path / "two" / "config.json"))
