@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import torchvision  # here, before any process group: see below
 import torchvision.transforms.v2 as T
 from PIL import Image
+from torchvision.transforms.functional import rgb_to_grayscale as grayscale  # takes batches too
 from torchvision.models.resnet import BasicBlock, Bottleneck
 from tqdm import tqdm
 
@@ -522,12 +523,6 @@ class Recipe:
     blur_p: float = 0.0
     blur_sigma: tuple = (0.1, 2.0)
     solarize_p: float = 0.0
-
-
-def grayscale(x):
-    """(B, 3, H, W) -> (B, 1, H, W) luma, with torchvision's weights."""
-    r, g, b = x.unbind(1)
-    return (0.2989 * r + 0.587 * g + 0.114 * b).unsqueeze(1)
 
 
 def colour_jitter(x, brightness, contrast, saturation, hue=None):
