@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -500,7 +500,7 @@ def train_batches(data, batch_size, generator, ctx, workers=0):
     perm = torch.randperm(len(data), generator=generator)[:steps * batch_size]
     mine = perm.view(steps, ctx.world, b)[:, ctx.rank].flatten()  # (steps * b,)
     if not data.streaming:
-        for rows in mine.to(ctx.device).split(b):
+        for rows in mine.to(ctx.device).view(steps, b):  # no batch at all when steps is 0
             yield data.train[rows], data.train_labels[rows]
         return
     data.train.seed = int(torch.randint(2 ** 62, (1,), generator=generator))  # this epoch's crops
@@ -735,24 +735,22 @@ def linear_probe_augmented(backbone, data, ctx, epochs=90, lr=30.0, seed=0, batc
     frozen backbone, trained on crop+flip views, SGD momentum 0.9, no weight decay, cosine."""
     if data.streaming:
         raise UserError("--linear-aug needs the data set held on the device (not --stream)")
-    (images, labels), b = data.eval_train, batch // ctx.world
-    rows = (labels >= 0).nonzero()[:, 0].cpu()
-    steps = len(rows) // batch
+    images, labels = data.eval_train  # labelled: batches drawn as pre-training draws its own
+    probe_set = replace(data, train=images, train_labels=labels)
     backbone.eval()
     classifier = nn.Linear(backbone.out_dim, data.num_classes).to(ctx.device)
     nn.init.zeros_(classifier.weight)
     optimizer = torch.optim.SGD(classifier.parameters(), lr=lr * batch / 256, momentum=0.9)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(1, epochs * steps))
+    steps = max(1, epochs * (len(labels) // batch))
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
     augment = Augment([Recipe(jitter=(0, 0, 0, 0), gray_p=0)], data.image_size, data.mean,
                       data.std, ctx)
     for epoch in range(epochs):
         order, generator = epoch_generators(seed + 1, epoch, ctx.device)
-        order = rows[torch.randperm(len(rows), generator=order)]
-        for step in range(steps):
-            mine = order[step * batch + ctx.rank * b:][:b].to(ctx.device)
+        for x, y in train_batches(probe_set, batch, order, ctx):
             with torch.no_grad(), ctx.autocast():
-                features = backbone(augment(images[mine], generator)[0])
-            loss = F.cross_entropy(classifier(features.float()), labels[mine])
+                features = backbone(augment(x, generator)[0])
+            loss = F.cross_entropy(classifier(features.float()), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             for p in classifier.parameters():  # the mean gradient over the global batch
