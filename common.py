@@ -33,7 +33,6 @@ class UserError(Exception):
 
 
 def run(main):
-    """Call `main()`; turn a UserError into one line on stderr and exit status 2."""
     try:
         main()
     except UserError as error:
@@ -816,7 +815,6 @@ class EpochMeter:
             self.last = now
 
     def summary(self):
-        """{epoch, each scalar's mean, lr, images_per_s, seconds}; closes the bar."""
         self.bar.close()
         seconds = time.perf_counter() - self.start
         means = {k: all_reduce_sum(s).item() / (self.steps * self.ctx.world)
@@ -826,14 +824,12 @@ class EpochMeter:
 
 
 def check_finite(record):
-    """Stop, before the epoch is saved, if its mean loss is NaN or infinite."""
     if not math.isfinite(record["loss"]):
         raise UserError(f"loss became {record['loss']} in epoch {record['epoch']}; the last good "
                         f"checkpoint is kept; lower --lr, or try --no-amp")
 
 
 def log_epoch(ctx, record):
-    """Append one JSON line to metrics.jsonl and print it (rank 0)."""
     if ctx.rank == 0:
         with open(os.path.join(ctx.out, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
