@@ -39,7 +39,9 @@ def run(main):
         rank = int(os.environ.get("RANK", 0))
         if rank != 0:  # rank 0 says what every rank usually met, and torchrun then stops the
             time.sleep(10)  # others; a rank that met an error alone says it after a while
-        print(f"error{f' (rank {rank})' if rank else ''}: {error}", file=sys.stderr, flush=True)
+        # raised in a DataLoader worker, the message is the worker's traceback: its last line
+        message = str(error).strip().splitlines()[-1].split("UserError: ")[-1]
+        print(f"error{f' (rank {rank})' if rank else ''}: {message}", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
         if dist.is_initialized():
@@ -475,10 +477,7 @@ def decode(samples, size, workers, ctx):
     """Image files -> uint8 (N, 3, S, S) on every rank, each rank decoding its share."""
     share = -(-len(samples) // ctx.world)
     mine = ImageFiles(samples[ctx.rank * share:(ctx.rank + 1) * share], size)
-    try:
-        parts = [x for x, _ in torch.utils.data.DataLoader(mine, 256, num_workers=workers)]
-    except UserError as error:  # from a DataLoader worker: the message ends the worker's traceback
-        raise UserError(str(error).strip().splitlines()[-1].split("UserError: ")[-1]) from None
+    parts = [x for x, _ in torch.utils.data.DataLoader(mine, 256, num_workers=workers)]
     images = torch.cat(parts + [torch.zeros(share - len(mine), 3, size, size, dtype=torch.uint8)])
     return gather(images.to(ctx.device))[:len(samples)]  # padded: all_gather needs equal shares
 
