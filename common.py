@@ -156,9 +156,9 @@ class Context:
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp)
 
-    def print(self, *text):
+    def print(self, text):
         if self.rank == 0:
-            tqdm.write(" ".join(str(t) for t in text))
+            tqdm.write(text)
 
 
 def setup(args):
