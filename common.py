@@ -6,6 +6,7 @@ import inspect
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -41,6 +42,8 @@ def run(main):
             time.sleep(10)  # others; a rank that met an error alone says it after a while
         # raised in a DataLoader worker, the message is the worker's traceback: its last line
         message = str(error).strip().splitlines()[-1].split("UserError: ")[-1]
+        for bar in list(tqdm._instances):  # met mid-epoch: the progress bar leaves the line first
+            bar.close()
         print(f"error{f' (rank {rank})' if rank else ''}: {message}", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
@@ -168,9 +171,9 @@ def setup(args):
     if args.batch_size % world or args.batch_size // world < 2:
         raise UserError(f"--batch-size {args.batch_size} must be a multiple of the {world} "
                         f"processes with at least 2 images per process")
-    device = torch.device(args.device) if args.device.split(":")[0] in ("cpu", "cuda") else None
-    if device is None or device.type == "cpu" and device.index:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise UserError(f"--device {args.device}: use cuda, cuda:N or cpu")
+    device = torch.device(args.device)
     if device.type == "cuda":
         count = torch.cuda.device_count()
         if device.index is None:  # torchrun: a GPU per local rank; or the one GPU a process sees
