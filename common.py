@@ -64,7 +64,9 @@ def checked(convert, test, what):
 
 positive_int = checked(int, lambda n: n >= 1, "a positive integer")
 non_negative_int = checked(int, lambda n: n >= 0, "0 or a positive integer")
-positive_float = checked(float, lambda x: x > 0, "a positive number")
+positive_float = checked(float, lambda x: 0 < x < math.inf, "a positive number")
+non_negative_float = checked(float, lambda x: 0 <= x < math.inf, "0 or a positive number")
+seed_value = checked(int, lambda s: 0 <= s < 2 ** 32, "in [0, 2^32)")
 momentum_value = checked(float, lambda m: 0 <= m < 1, "in [0, 1)")  # EMA: t <- m t + (1 - m) o
 
 
@@ -82,13 +84,14 @@ def add_common_args(parser):
     a("--stream", action="store_true", help="imagefolder: decode in DataLoader workers every "
       "epoch (automatic when the decoded set would fill over half the free device memory)")
     a("--workers", type=non_negative_int, default=min(8, os.cpu_count() or 1), help="decoders")
-    a("--limit-train", type=positive_int, help="use only the first N training images")
+    a("--limit-train", type=positive_int, help="use only N training images: the first N "
+      "(imagefolder: N spread over its class folders)")
     a("--arch", choices=["resnet18", "resnet34", "resnet50"], default="resnet18", help="backbone")
     a("--width", type=positive_int, default=64, help="base channel count (64 = standard ResNet)")
     a("--epochs", type=non_negative_int, help="pre-training epochs (0: evaluate the untrained net)")
     a("--batch-size", type=positive_int, help="global batch, split evenly across processes")
     a("--lr", type=positive_float, help="base learning rate per 256 images (lr = LR * batch / 256)")
-    a("--wd", type=float, help="weight decay")
+    a("--wd", type=non_negative_float, help="weight decay")
     a("--warmup-epochs", type=non_negative_int, help="linear learning-rate warm-up epochs")
     a("--crop-scale", type=float, nargs=2, metavar=("MIN", "MAX"), help="random crop's area range")
     a("--out", help="run folder (default runs/<script>-<time>)")
@@ -98,15 +101,16 @@ def add_common_args(parser):
     a("--knn-k", type=positive_int, default=200, help="neighbours of the kNN monitor")
     a("--knn-t", type=positive_float, default=0.1, help="temperature of the weighted kNN vote")
     a("--linear-epochs", type=non_negative_int, default=100, help="final linear probe (0: none)")
-    a("--linear-aug", action="store_true", help="the probe protocol of MoCo/SimSiam/GSG: SGD on "
-      "crop+flip views (slow) instead of AdamW on fixed standardised features")
+    a("--linear-aug", action=argparse.BooleanOptionalAction, default=False, help="the probe of "
+      "MoCo/SimSiam/GSG: SGD on crop+flip views (slow), not AdamW on fixed standardised features")
     a("--linear-lr", type=positive_float, default=30.0,
       help="--linear-aug SGD lr per 256 images (MoCo's main_lincls.py)")
-    a("--seed", type=int, default=0, help="random seed (model init, data order, augmentation)")
+    a("--seed", type=seed_value, default=0, help="seed of model init, data order, augmentation")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu",
       help="cuda, cuda:N or cpu (under torchrun, cuda means cuda:LOCAL_RANK)")
     a("--amp", action=argparse.BooleanOptionalAction, help="bf16 autocast (default: native bf16)")
-    a("--compile", action="store_true", help="torch.compile the model (one process only)")
+    a("--compile", action=argparse.BooleanOptionalAction, default=False,
+      help="torch.compile the model (one process only)")
 
 
 # The options --resume may change; every other one comes from the run's config.json.
@@ -118,9 +122,16 @@ def parse_args(parser, argv, script):
     """A new run gets a fresh --out (a folder holding a run is refused); --resume RUN takes RUN's
     config.json, changed only by the options in RESUMABLE."""
     args = parser.parse_args(argv)
+    if args.crop_scale and not 0 < args.crop_scale[0] <= args.crop_scale[1] <= 1:
+        raise UserError(f"--crop-scale {' '.join(map(str, args.crop_scale))}: need 0 < MIN <= MAX "
+                        f"<= 1")
     if args.resume is None:
         args.out = args.out or os.path.join("runs", f"{script}-{time.strftime('%Y%m%d-%H%M%S')}")
-        if os.path.exists(os.path.join(args.out, "config.json")):
+        if os.path.exists(args.out) and not os.path.isdir(args.out):
+            raise UserError(f"--out {args.out} is a file; choose a folder")
+        # a run that stopped before its first checkpoint may be started again in its folder
+        held = [os.path.join(args.out, name) for name in ("checkpoint.pt", "results.json")]
+        if any(map(os.path.exists, held)):
             raise UserError(f"--out {args.out} already holds a run: continue it with --resume "
                             f"{args.out}, or choose another --out")
         return args
@@ -137,6 +148,8 @@ def parse_args(parser, argv, script):
                         f"{script}.py; start a new --out")
     parser.set_defaults(**saved)  # the options not typed again take the run's values
     args = parser.parse_args(argv)
+    if os.path.normpath(args.out) not in (os.path.normpath(run), os.path.normpath(saved["out"])):
+        raise UserError(f"--resume {run} writes into {run}; drop --out {args.out}")
     for key, value in vars(args).items():
         value = json.loads(json.dumps(value))  # tuples -> lists, as saved
         if key in saved and key not in RESUMABLE | {"out"} and value != saved[key]:
@@ -381,6 +394,9 @@ def load_data(args, ctx, crops=2):
         train = torchvision_split(args, ctx, args.limit_train, train=True)
         data = Data(*train, train, torchvision_split(args, ctx, None, train=False),
                     100 if args.dataset == "cifar100" else 10, size, mean, std)
+    if data.streaming and args.linear_aug and args.linear_epochs:
+        raise UserError("--linear-aug needs the data set held on the device (not --stream); "
+                        "use --no-linear-aug, or --linear-epochs 0")
     if len(data) < args.batch_size:
         raise UserError(f"--batch-size {args.batch_size} is more than the {len(data)} training "
                         f"images; use a smaller batch")
@@ -429,7 +445,9 @@ def image_folder(args, ctx, size, mean, std, crops):
                             f"folder(s); kNN and linear evaluation need at least 2")
     if folders["train"].classes != folders["val"].classes:
         raise UserError("imagefolder: train/ and val/ have different class folders")
-    train, val = folders["train"].samples[:args.limit_train], folders["val"].samples
+    train, val = folders["train"].samples, folders["val"].samples
+    if args.limit_train and args.limit_train < len(train):  # spread over the class by class list
+        train = [train[i * len(train) // args.limit_train] for i in range(args.limit_train)]
     labels = [torch.tensor([y for _, y in s], device=ctx.device) for s in (train, val)]
     classes = len(folders["train"].classes)
     if ctx.device.type == "cuda":  # decoded on the device if it takes at most half the free memory
@@ -466,7 +484,7 @@ class ImageFiles(torch.utils.data.Dataset):
         try:
             with Image.open(path) as image:
                 image = image.convert("RGB")
-        except OSError as error:  # PIL.UnidentifiedImageError is an OSError
+        except (OSError, Image.DecompressionBombError) as error:  # UnidentifiedImageError too
             raise UserError(f"unreadable image {path} ({type(error).__name__}); remove or "
                             f"replace it") from None
         if not self.crops:
@@ -480,7 +498,16 @@ def decode(samples, size, workers, ctx):
     """Image files -> uint8 (N, 3, S, S) on every rank, each rank decoding its share."""
     share = -(-len(samples) // ctx.world)
     mine = ImageFiles(samples[ctx.rank * share:(ctx.rank + 1) * share], size)
-    parts = [x for x, _ in torch.utils.data.DataLoader(mine, 256, num_workers=workers)]
+    parts, error = [], ""
+    try:
+        parts = [x for x, _ in torch.utils.data.DataLoader(mine, 256, num_workers=workers)]
+    except UserError as e:
+        error = str(e)
+    errors = [error] * ctx.world
+    if ctx.world > 1:  # every rank stops at an unreadable file, not in a broken all_gather
+        dist.all_gather_object(errors, error)
+    if any(errors):
+        raise UserError(next(e for e in errors if e))
     images = torch.cat(parts + [torch.zeros(share - len(mine), 3, size, size, dtype=torch.uint8)])
     return gather(images.to(ctx.device))[:len(samples)]  # padded: all_gather needs equal shares
 
@@ -734,8 +761,6 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed
 def linear_probe_augmented(backbone, data, ctx, epochs=90, lr=30.0, seed=0, batch=256):
     """The probe of MoCo's and SimSiam's main_lincls.py, which GSG uses: a linear layer on the
     frozen backbone, trained on crop+flip views, SGD momentum 0.9, no weight decay, cosine."""
-    if data.streaming:
-        raise UserError("--linear-aug needs the data set held on the device (not --stream)")
     images, labels = data.eval_train  # labelled: batches drawn as pre-training draws its own
     probe_set = replace(data, train=images, train_labels=labels)
     backbone.eval()
@@ -776,10 +801,11 @@ def evaluate(backbone, data, ctx, args, final=False):
         if args.linear_epochs and args.linear_aug:
             result["linear_top1"] = linear_probe_augmented(backbone, data, ctx, args.linear_epochs,
                                                            args.linear_lr, args.seed)
+            result["linear_protocol"] = "augmented SGD"
         elif args.linear_epochs:
             result["linear_top1"] = linear_probe(train_f, train_y, test_f, test_y,
                                                  data.num_classes, args.linear_epochs, args.seed)
-        result["linear_protocol"] = "augmented SGD" if args.linear_aug else "fixed features AdamW"
+            result["linear_protocol"] = "fixed features AdamW"
     return result
 
 
@@ -827,8 +853,10 @@ class EpochMeter:
 
 def check_finite(record):
     if not math.isfinite(record["loss"]):
-        raise UserError(f"loss became {record['loss']} in epoch {record['epoch']}; the last good "
-                        f"checkpoint is kept; lower --lr, or try --no-amp")
+        kept = f"epoch {record['epoch'] - 1}'s checkpoint is kept" if record["epoch"] > 1 else \
+            "no checkpoint was written"
+        raise UserError(f"loss became {record['loss']} in epoch {record['epoch']}; {kept}; lower "
+                        f"--lr, check --wd and the temperatures, or try --no-amp")
 
 
 def log_epoch(ctx, record):
@@ -845,7 +873,11 @@ def start_run(args, ctx, script):
     data and the model are ready, so that a run that fails to start leaves nothing behind."""
     if ctx.rank != 0 or args.resume:
         return
-    os.makedirs(ctx.out, exist_ok=True)
+    try:
+        os.makedirs(ctx.out, exist_ok=True)
+        open(os.path.join(ctx.out, "metrics.jsonl"), "w").close()  # empty, if a run started here
+    except OSError as error:
+        raise UserError(f"--out {ctx.out}: cannot write there ({error.strerror})") from None
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
@@ -874,6 +906,11 @@ def save_checkpoint(ctx, epoch, states):
 def load_checkpoint(ctx, states):
     """Load each named state from the run folder's checkpoint.pt -> the epoch to continue from."""
     path = os.path.join(ctx.out, "checkpoint.pt")
+    if not os.path.exists(path):  # no epoch was saved: an --epochs 0 run, or one that failed
+        if os.path.exists(os.path.join(ctx.out, "results.json")):
+            return 0
+        raise UserError(f"{ctx.out} has no checkpoint: its first epoch never ended; start it "
+                        f"again with --out {ctx.out}")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:

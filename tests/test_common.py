@@ -452,6 +452,55 @@ def test_scripts_print_one_line_and_no_traceback(tiny_folder, tmp_path):
     assert 'simclr_dcl.py", line' not in two.stderr and 'common.py", line' not in two.stderr
 
 
+def test_a_run_that_failed_in_its_first_epoch_starts_again_in_its_folder(
+    tiny_folder, tmp_path, monkeypatch, capsys
+):
+    """No checkpoint yet: the error says so, --resume says to start again, and the same command
+    then runs in that folder (its metrics.jsonl starts empty)."""
+    argv = smoke_args(tiny_folder, tmp_path, "--linear-epochs", "0")
+    real = simclr_dcl.contrastive_loss
+    monkeypatch.setattr(
+        simclr_dcl, "contrastive_loss", lambda *a, **k: real(*a, **k) * float("nan")
+    )
+    fails_with(argv, capsys, "in epoch 1; no checkpoint was written")
+    fails_with(["--resume", str(tmp_path)], capsys, f"start it again with --out {tmp_path}")
+    monkeypatch.undo()
+    simclr_dcl.main(argv)
+    check_run_folder(tmp_path, epochs=1)
+
+
+def test_option_values_that_cannot_run_are_refused(tiny_folder, tmp_path, capsys):
+    for option in (["--wd", "-1"], ["--lr", "inf"], ["--seed", str(2**40)]):
+        with pytest.raises(SystemExit) as exit_info:
+            simclr_dcl.parse_args(smoke_args(tiny_folder, tmp_path, *option))
+        assert exit_info.value.code == 2
+        assert f"argument {option[0]}: must be" in capsys.readouterr().err
+    fails_with(smoke_args(tiny_folder, tmp_path, "--crop-scale", "1", "0.5"), capsys, "MIN <= MAX")
+    (tmp_path / "a_file").write_text("")
+    fails_with(smoke_args(tiny_folder, tmp_path / "a_file"), capsys, "is a file")
+    stream = smoke_args(tiny_folder, tmp_path / "s", "--stream", "--linear-aug")
+    fails_with(stream, capsys, "--linear-aug needs the data set held on the device")
+    assert not (tmp_path / "s").exists()  # refused before training, not after it
+
+
+def test_resume_refuses_another_out(tiny_folder, tmp_path, capsys):
+    simclr_dcl.main(
+        smoke_args(tiny_folder, tmp_path / "run", "--epochs", "2", "--stop-after", "1",
+                   "--linear-epochs", "0")
+    )
+    capsys.readouterr()
+    fails_with(["--resume", str(tmp_path / "run"), "--out", str(tmp_path / "b")], capsys,
+               "drop --out")
+    assert not (tmp_path / "b").exists()
+
+
+def test_limit_train_keeps_every_class_of_an_image_folder(tiny_folder, tmp_path):
+    """Image folders list their files class by class: --limit-train spreads over them."""
+    args = simclr_dcl.parse_args(smoke_args(tiny_folder, tmp_path, "--limit-train", "16"))
+    data = common.load_data(args, ctx_for(0, 1))
+    assert len(data) == 16 and data.train_labels.bincount().tolist() == [6, 5, 5]
+
+
 # ------------------------------------------------------------------------------ other data paths
 
 

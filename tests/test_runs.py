@@ -214,6 +214,20 @@ def test_every_rank_stops_together_when_the_data_is_missing(tmp_path, monkeypatc
     assert not (tmp_path / "o").exists()
 
 
+def test_an_unreadable_image_in_another_ranks_share_stops_every_rank(tiny_folder, tmp_path):
+    """Rank 1 decodes the second half of the files and meets the bad one: rank 0 names it in the
+    one error: line (no broken all_gather on rank 0), and no run folder is made."""
+    shutil.copytree(tiny_folder, tmp_path / "data")
+    bad = sorted((tmp_path / "data" / "train").glob("*/*"))[-1]
+    bad.write_bytes(b"not an image")
+    done = run_script("simclr_dcl.py", smoke_args(tmp_path / "data", tmp_path / "o"), nproc=2)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error")]
+    assert errors == [f"error: unreadable image {bad} (UnidentifiedImageError); remove or "
+                      f"replace it"], done.stderr[-2000:]
+    assert "Connection closed" not in done.stderr and not (tmp_path / "o").exists()
+
+
 def test_two_nodes_with_their_own_data_folders_train_as_one(tiny_folder, tmp_path):
     """torchrun --nnodes 2 on localhost, each node with its own copy of the data: the run
     finishes and its backbone equals the one process's run on the same global batch."""
