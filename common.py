@@ -444,7 +444,9 @@ def image_folder(args, ctx, size, mean, std, crops):
             raise UserError(f"imagefolder: {root} has {len(folders[split].classes)} class "
                             f"folder(s); kNN and linear evaluation need at least 2")
     if folders["train"].classes != folders["val"].classes:
-        raise UserError("imagefolder: train/ and val/ have different class folders")
+        only = sorted(set(folders["train"].classes) ^ set(folders["val"].classes))
+        raise UserError(f"imagefolder: train/ and val/ need the same class folders; "
+                        f"{', '.join(only[:5])}{' ...' if len(only) > 5 else ''} only in one")
     train, val = folders["train"].samples, folders["val"].samples
     if args.limit_train and args.limit_train < len(train):  # spread over the class by class list
         train = [train[i * len(train) // args.limit_train] for i in range(args.limit_train)]
