@@ -929,6 +929,12 @@ def load_checkpoint(ctx, states):
                             f"({' '.join(str(error).split())[:160]}); start a new --out") from None
         for group, flag in zip(getattr(state, "param_groups", []), flags):  # new dicts now
             group.update(flag)
+    metrics = os.path.join(ctx.out, "metrics.jsonl")
+    if ctx.rank == 0 and os.path.exists(metrics):  # a run stopped between log and save logged an
+        with open(metrics) as f:  # epoch that it will now train again: that line goes
+            lines = [line for line in f if json.loads(line)["epoch"] <= checkpoint["epoch"]]
+        with open(metrics, "w") as f:
+            f.writelines(lines)
     ctx.print(f"resumed {ctx.out} at epoch {checkpoint['epoch']}")
     return checkpoint["epoch"]
 

@@ -483,6 +483,18 @@ def test_option_values_that_cannot_run_are_refused(tiny_folder, tmp_path, capsys
     assert not (tmp_path / "s").exists()  # refused before training, not after it
 
 
+def test_a_run_killed_between_logging_and_saving_an_epoch_logs_it_once(tiny_folder, tmp_path):
+    simclr_dcl.main(
+        smoke_args(tiny_folder, tmp_path, "--epochs", "2", "--stop-after", "1",
+                   "--linear-epochs", "0")
+    )
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # epoch 2 logged, its checkpoint not saved
+        f.write('{"epoch": 2, "loss": 0.0}\n')
+    simclr_dcl.main(["--resume", str(tmp_path)])
+    _, lines, _ = check_run_folder(tmp_path, epochs=2)
+    assert lines[1]["loss"] != 0.0
+
+
 def test_resume_refuses_another_out(tiny_folder, tmp_path, capsys):
     simclr_dcl.main(
         smoke_args(tiny_folder, tmp_path / "run", "--epochs", "2", "--stop-after", "1",
