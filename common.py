@@ -931,8 +931,9 @@ def load_checkpoint(ctx, states):
             group.update(flag)
     metrics = os.path.join(ctx.out, "metrics.jsonl")
     if ctx.rank == 0 and os.path.exists(metrics):  # a run stopped between log and save logged an
-        with open(metrics) as f:  # epoch that it will now train again: that line goes
-            lines = [line for line in f if json.loads(line)["epoch"] <= checkpoint["epoch"]]
+        with open(metrics) as f:  # epoch it now trains again (or half a line): those lines go
+            lines = [line for line in f
+                     if line.endswith("\n") and json.loads(line)["epoch"] <= checkpoint["epoch"]]
         with open(metrics, "w") as f:
             f.writelines(lines)
     ctx.print(f"resumed {ctx.out} at epoch {checkpoint['epoch']}")
