@@ -457,6 +457,10 @@ def image_folder(args, ctx, size, mean, std, crops):
     else:  # CPU: the free host memory, which this node's processes share
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         free //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if ctx.world > 1:  # one decision for all ranks: each sees its own free memory
+        free = torch.tensor(free, device=ctx.device)
+        dist.all_reduce(free, op=dist.ReduceOp.MIN)
+        free = int(free)
     if args.stream or (len(train) + len(val)) * 3 * size * size > free // 2:
         return Data(ImageFiles(train, size, crops, args.crop_scale), labels[0],
                     ImageFiles(train, size), ImageFiles(val, size), classes, size, mean, std,
@@ -764,6 +768,7 @@ def linear_probe_augmented(backbone, data, ctx, epochs=90, lr=30.0, seed=0, batc
     """The probe of MoCo's and SimSiam's main_lincls.py, which GSG uses: a linear layer on the
     frozen backbone, trained on crop+flip views, SGD momentum 0.9, no weight decay, cosine."""
     images, labels = data.eval_train  # labelled: batches drawn as pre-training draws its own
+    batch = max(1, batch // ctx.world) * ctx.world  # a multiple of the processes
     probe_set = replace(data, train=images, train_labels=labels)
     backbone.eval()
     classifier = nn.Linear(backbone.out_dim, data.num_classes).to(ctx.device)
@@ -776,8 +781,9 @@ def linear_probe_augmented(backbone, data, ctx, epochs=90, lr=30.0, seed=0, batc
     for epoch in range(epochs):
         order, generator = epoch_generators(seed + 1, epoch, ctx.device)
         for x, y in train_batches(probe_set, batch, order, ctx):
+            views = augment(x, generator)[0]  # in float32, as in pre-training
             with torch.no_grad(), ctx.autocast():
-                features = backbone(augment(x, generator)[0])
+                features = backbone(views)
             loss = F.cross_entropy(classifier(features.float()), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -929,6 +935,10 @@ def load_checkpoint(ctx, states):
                             f"({' '.join(str(error).split())[:160]}); start a new --out") from None
         for group, flag in zip(getattr(state, "param_groups", []), flags):  # new dicts now
             group.update(flag)
+        for p, buffers in getattr(state, "state", {}).items():  # a CPU run's momentum, resumed on
+            for k, v in buffers.items():  # CUDA, takes channels_last like p (fused SGD needs it)
+                if torch.is_tensor(v) and v.shape == p.shape:
+                    buffers[k] = torch.empty_like(p).copy_(v)
     metrics = os.path.join(ctx.out, "metrics.jsonl")
     if ctx.rank == 0 and os.path.exists(metrics):  # a run stopped between log and save logged an
         with open(metrics) as f:  # epoch it now trains again (or half a line): those lines go

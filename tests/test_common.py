@@ -189,6 +189,16 @@ def test_knn_and_linear_probe_are_at_chance_on_random_labels():
     assert common.linear_probe(train_f, train_y, test_f, test_y, 5, epochs=20) < 28
 
 
+def test_the_augmented_probe_runs_when_the_processes_do_not_divide_its_batch(tiny_folder, tmp_path):
+    """Rank 0 of 3 with a probe batch of 16: the batch becomes 15, 5 images per process."""
+    args = simclr_dcl.parse_args(smoke_args(tiny_folder, tmp_path))
+    data = common.load_data(args, ctx_for(0, 1))
+    backbone = common.ResNet("resnet18", 8, 16)
+    accuracy = common.linear_probe_augmented(backbone, data, ctx_for(0, 3), epochs=1, batch=16)
+    correct = accuracy * 6 / 100  # on rank 0's share of the 18 validation images
+    assert abs(correct - round(correct)) < 1e-9
+
+
 def test_learning_rate_warms_up_then_follows_the_cosine():
     lr = lambda step, schedule="cosine": common.learning_rate(step, 100, 10, 1.0, schedule)
     assert [round(lr(s), 6) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]
@@ -483,6 +493,28 @@ def test_option_values_that_cannot_run_are_refused(tiny_folder, tmp_path, capsys
     assert not (tmp_path / "s").exists()  # refused before training, not after it
 
 
+def test_resumed_momentum_is_laid_out_like_its_channels_last_parameter(tmp_path):
+    """A CPU run's checkpoint resumed where the model is channels_last (CUDA): the momentum
+    buffers take the parameters' strides, which fused SGD requires."""
+    def model_and_optimizer(channels_last):
+        conv = nn.Conv2d(3, 4, 3)
+        conv = conv.to(memory_format=torch.channels_last) if channels_last else conv
+        optimizer = torch.optim.SGD(conv.parameters(), lr=0.1, momentum=0.9)
+        conv(torch.randn(2, 3, 5, 5)).sum().backward()
+        optimizer.step()
+        return conv, optimizer
+
+    ctx = Context(0, 1, 0, CPU, out=str(tmp_path), amp=False)
+    conv, optimizer = model_and_optimizer(False)
+    common.save_checkpoint(ctx, 1, {"model": conv, "optimizer": optimizer})
+    conv, optimizer = model_and_optimizer(True)
+    assert common.load_checkpoint(ctx, {"model": conv, "optimizer": optimizer}) == 1
+    buffer = optimizer.state[conv.weight]["momentum_buffer"]
+    assert buffer.stride() == conv.weight.stride() != (27, 9, 3, 1)
+    saved = torch.load(tmp_path / "checkpoint.pt")["optimizer"]["state"][0]["momentum_buffer"]
+    assert torch.equal(buffer, saved)
+
+
 def test_a_run_killed_between_logging_and_saving_an_epoch_logs_it_once(tiny_folder, tmp_path):
     simclr_dcl.main(
         smoke_args(tiny_folder, tmp_path, "--epochs", "2", "--stop-after", "1",
@@ -556,5 +588,6 @@ def test_compile_is_skipped_with_a_warning_under_more_than_one_process():
 
 
 def test_a_device_that_is_not_there_is_one_error_line(tmp_path, capsys):
-    fails_with(["--device", "cuda:7", "--out", str(tmp_path / "o")], capsys, "--device cuda:7")
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU (cuda:0 on a CPU)
+    fails_with(["--device", missing, "--out", str(tmp_path / "o")], capsys, f"--device {missing}")
     assert not (tmp_path / "o").exists()
