@@ -149,7 +149,8 @@ def nnclr_loss(z1, z2, p1, p2, support_set, temperature=0.1, loss="dcl", sigma=0
     if loss not in ("infonce", "dcl", "dclw"):
         raise ValueError(f"unknown loss {loss!r}")
     b = p1.shape[0]
-    own = common.rank() * b + torch.arange(b, device=p1.device)  # (B,) this rank's images among N
+    rows = torch.arange(b, device=p1.device)  # (B,)
+    own = common.rank() * b + rows  # (B,) this rank's images among the N
     losses = []
     for z, p in ((z1, p2), (z2, p1)):  # NN of one view picks the other view's prediction
         anchors = nearest_neighbour(z, support_set)  # (B, D) unit rows, no gradient
@@ -158,7 +159,7 @@ def nnclr_loss(z1, z2, p1, p2, support_set, temperature=0.1, loss="dcl", sigma=0
         logits = anchors @ candidates.T / temperature  # (B, N)
         columns = torch.arange(logits.shape[1], device=logits.device)  # (N,)
         positive_mask = columns == own[:, None]  # (B, N) anchor i's positive is p_i
-        pos = logits[positive_mask]  # (B,)
+        pos = logits[rows, own]  # (B,) (indices, not the mask: no wait for the GPU's count)
         if loss != "infonce":
             logits = logits.masked_fill(positive_mask, -math.inf)  # DCL Prop. 2: drop the positive
         weight = dclw_weights((anchors * partners).sum(1), sigma) if loss == "dclw" else 1.0  # (B,)

@@ -91,9 +91,10 @@ def contrastive_loss(z1, z2, temperature=0.1, loss="infonce", sigma=0.5, reducti
     start = common.rank() * 2 * b  # this rank's views are columns start .. start + 2B - 1
     rows = torch.arange(2 * b, device=logits.device)  # (2B,)
     columns = torch.arange(logits.shape[1], device=logits.device)  # (2N,)
+    positive = start + (rows + b) % (2 * b)  # (2B,) the column of each anchor's other view
     self_mask = columns == (start + rows)[:, None]  # (2B, 2N) the anchor itself
-    positive_mask = columns == (start + (rows + b) % (2 * b))[:, None]  # (2B, 2N) its other view
-    pos = logits[positive_mask]  # (2B,) one positive per row
+    positive_mask = columns == positive[:, None]  # (2B, 2N) its other view
+    pos = logits[rows, positive]  # (2B,) (indices, not the mask: no wait for the GPU's count)
     logits = logits.masked_fill(self_mask, -math.inf)  # a view is not its own negative
     if loss != "infonce":
         logits = logits.masked_fill(positive_mask, -math.inf)  # DCL Prop. 2: drop the positive
@@ -123,10 +124,11 @@ def npc_multiplier(z1, z2, temperature=0.1):
     start = common.rank() * 2 * b
     rows = torch.arange(2 * b, device=logits.device)  # (2B,)
     columns = torch.arange(logits.shape[1], device=logits.device)  # (2N,)
+    positive = start + (rows + b) % (2 * b)  # (2B,)
     self_mask = columns == (start + rows)[:, None]  # (2B, 2N)
-    positive_mask = columns == (start + (rows + b) % (2 * b))[:, None]  # (2B, 2N)
+    positive_mask = columns == positive[:, None]  # (2B, 2N)
     log_u = torch.logsumexp(logits.masked_fill(self_mask | positive_mask, -math.inf), dim=1)
-    return torch.sigmoid(log_u - logits[positive_mask])
+    return torch.sigmoid(log_u - logits[rows, positive])
 
 
 # ------------------------------------------------------------------------------ training step
