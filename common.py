@@ -305,6 +305,12 @@ def compile_model(net, ctx):
     return torch.compile(net)
 
 
+def to_device(t, device):
+    """A CPU tensor -> `device` without a host sync: from pageable memory CUDA first waits for all
+    queued GPU work; from pinned memory the copy is queued like a kernel."""
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+
+
 def float32(t):
     """The loss's precision: bf16 outputs of autocast -> float32; float32 and float64 unchanged."""
     return t.to(torch.promote_types(t.dtype, torch.float32))

@@ -176,8 +176,8 @@ def draw_pairing(batch_size, mode, generator, ctx):
     random_case = None
     if mode == "random":
         random_case = torch.randint(4, (batch_size,), generator=generator, device=generator.device)
-        random_case = random_case[mine].to(ctx.device, non_blocking=True)
-    return partner[mine].to(ctx.device, non_blocking=True), random_case  # CPU draws: no host sync
+        random_case = common.to_device(random_case[mine], ctx.device)
+    return common.to_device(partner[mine], ctx.device), random_case  # CPU draws, no host sync
 
 
 @torch.no_grad()
