@@ -148,7 +148,7 @@ def parse_args(parser, argv, script):
                         f"{script}.py; start a new --out")
     parser.set_defaults(**saved)  # the options not typed again take the run's values
     args = parser.parse_args(argv)
-    if os.path.normpath(args.out) not in (os.path.normpath(run), os.path.normpath(saved.get("out", run))):
+    if os.path.normpath(args.out) not in map(os.path.normpath, (run, saved.get("out", run))):
         raise UserError(f"--resume {run} writes into {run}; drop --out {args.out}")
     for key, value in vars(args).items():
         value = json.loads(json.dumps(value))  # tuples -> lists, as saved
