@@ -34,6 +34,7 @@ class UserError(Exception):
 
 
 def run(main):
+    """Call `main()`; a UserError becomes one `error:` line on stderr and exit status 2."""
     try:
         main()
     except UserError as error:
@@ -918,7 +919,8 @@ def save_checkpoint(ctx, epoch, states):
 
 
 def load_checkpoint(ctx, states):
-    """Load each named state from the run folder's checkpoint.pt -> the epoch to continue from."""
+    """Load each named state from the run folder's checkpoint.pt, and keep only the metrics lines
+    of the epochs it holds -> the epoch to continue from."""
     path = os.path.join(ctx.out, "checkpoint.pt")
     if not os.path.exists(path):  # no epoch was saved: an --epochs 0 run, or one that failed
         if os.path.exists(os.path.join(ctx.out, "results.json")):

@@ -409,6 +409,14 @@ def test_a_failed_start_leaves_no_run_folder(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "runs").exists()
 
 
+def test_class_folders_that_differ_between_train_and_val_are_named(tiny_folder, tmp_path, capsys):
+    import shutil
+
+    shutil.copytree(tiny_folder, tmp_path / "data")
+    shutil.copytree(tmp_path / "data" / "val" / "class0", tmp_path / "data" / "val" / "extra")
+    fails_with(smoke_args(tmp_path / "data", tmp_path / "o"), capsys, "extra only in one")
+
+
 def test_checkpoint_of_another_configuration(tiny_folder, tmp_path, capsys):
     simclr_dcl.main(
         smoke_args(
@@ -521,7 +529,7 @@ def test_a_run_killed_between_logging_and_saving_an_epoch_logs_it_once(tiny_fold
                    "--linear-epochs", "0")
     )
     with open(tmp_path / "metrics.jsonl", "a") as f:  # epoch 2 logged, its checkpoint not saved
-        f.write('{"epoch": 2, "loss": 0.0}\n')
+        f.write('{"epoch": 2, "loss": 0.0}\n{"epoch": 3, "lo')  # and half a line after it
     simclr_dcl.main(["--resume", str(tmp_path)])
     _, lines, _ = check_run_folder(tmp_path, epochs=2)
     assert lines[1]["loss"] != 0.0
