@@ -496,6 +496,9 @@ class ImageFiles(torch.utils.data.Dataset):
         path, label = self.samples[i]
         try:
             with Image.open(path) as image:
+                if image.mode[0] in "IF":  # I;16, I, F: convert("RGB") would clip them to 8 bits
+                    raise UserError(f"image {path} is {image.mode} (16-bit or float); convert "
+                                    f"it to 8 bits per channel")
                 image = image.convert("RGB")
         except (OSError, Image.DecompressionBombError) as error:  # UnidentifiedImageError too
             raise UserError(f"unreadable image {path} ({type(error).__name__}); remove or "

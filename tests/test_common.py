@@ -394,6 +394,20 @@ def test_an_unreadable_image_is_named(tiny_folder, tmp_path, capsys):
         fails_with(argv, capsys, str(bad))
 
 
+def test_a_16_bit_image_is_refused_not_clipped(tiny_folder, tmp_path, capsys):
+    """PIL's convert("RGB") clips 16-bit grey to 255 (almost all white) and float to 0: a run
+    would train on blank images without a word."""
+    import shutil
+
+    from PIL import Image
+
+    shutil.copytree(tiny_folder, tmp_path / "data")
+    bad = tmp_path / "data" / "val" / "class0" / "0.png"
+    Image.fromarray((torch.arange(256).view(16, 16) * 256).numpy().astype("uint16")).save(bad)
+    assert Image.open(bad).mode == "I;16"
+    fails_with(smoke_args(tmp_path / "data", tmp_path / "o"), capsys, f"{bad} is I;16")
+
+
 def test_a_failed_start_leaves_no_run_folder(tmp_path, capsys, monkeypatch):
     """No data, a bad option or a refused --resume: runs/ stays as it was."""
     monkeypatch.chdir(tmp_path)
