@@ -95,7 +95,7 @@ def add_common_args(parser):
     a("--wd", type=non_negative_float, help="weight decay")
     a("--warmup-epochs", type=non_negative_int, help="linear learning-rate warm-up epochs")
     a("--crop-scale", type=float, nargs=2, metavar=("MIN", "MAX"), help="random crop's area range")
-    a("--out", help="run folder (default runs/<script>-<time>)")
+    a("--out", help="run folder (default runs/<script>-<time>-<process id>)")
     a("--resume", metavar="RUN", help="continue RUN bit-for-bit, or evaluate a finished RUN again")
     a("--stop-after", type=positive_int, help="end after that many epochs in all (then --resume)")
     a("--eval-every", type=positive_int, default=10, help="kNN monitor every N epochs (and last)")
@@ -127,7 +127,9 @@ def parse_args(parser, argv, script):
         raise UserError(f"--crop-scale {' '.join(map(str, args.crop_scale))}: need 0 < MIN <= MAX "
                         f"<= 1")
     if args.resume is None:
-        args.out = args.out or os.path.join("runs", f"{script}-{time.strftime('%Y%m%d-%H%M%S')}")
+        # the process id keeps apart runs started in the same second (rank 0's names the folder)
+        name = f"{script}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        args.out = args.out or os.path.join("runs", name)
         if os.path.exists(args.out) and not os.path.isdir(args.out):
             raise UserError(f"--out {args.out} is a file; choose a folder")
         # a run that stopped before its first checkpoint may be started again in its folder

@@ -379,6 +379,23 @@ def test_a_new_run_never_overwrites_an_existing_run_folder(tiny_folder, tmp_path
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
+def test_runs_started_in_the_same_second_get_their_own_default_folders(tmp_path):
+    """Without --out, two runs launched together (a sweep with `&`) must not share a folder: the
+    check for a held folder cannot see a run that has not yet saved its first epoch."""
+    import subprocess
+    import sys
+
+    from helpers import _env
+
+    code = ("import time; time.strftime = lambda *a: '20260101-000000'; import simclr_dcl; "
+            "print(simclr_dcl.parse_args(['--device', 'cpu']).out)")
+    runs = [subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=_env(),
+                             stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [run.communicate(timeout=120)[0].strip() for run in runs]
+    assert all(out.startswith(os.path.join("runs", "simclr_dcl-20260101-000000")) for out in outs)
+    assert outs[0] != outs[1], outs
+
+
 def test_an_unreadable_image_is_named(tiny_folder, tmp_path, capsys):
     import shutil
 
