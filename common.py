@@ -128,8 +128,8 @@ def parse_args(parser, argv, script):
                         f"<= 1")
     if args.resume is None:
         # the process id keeps apart runs started in the same second (rank 0's names the folder)
-        name = f"{script}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        args.out = args.out or os.path.join("runs", name)
+        default = f"{script}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        args.out = args.out or os.path.join("runs", default)
         if os.path.exists(args.out) and not os.path.isdir(args.out):
             raise UserError(f"--out {args.out} is a file; choose a folder")
         # a run that stopped before its first checkpoint may be started again in its folder
