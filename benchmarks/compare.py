@@ -25,7 +25,7 @@ and spread). Any option that changes the paper's settings (`--epochs`, `--width`
 imagefolder`, `--batch-divisor`, ...) is named in the table's header, and the published numbers
 are then marked "not comparable":
 
-    python benchmarks/compare.py --paper gsg --gpus 0,1,2,3          # 12 runs, one per GPU
+    python benchmarks/compare.py --paper gsg --gpus 0,1,2,3          # 12 runs, 4 at a time
     python benchmarks/compare.py --paper dt --dataset imagefolder --data-dir D --image-size 8 \
         --width 8 --epochs 1 --batch-divisor 16 --device cpu         # a CPU smoke run
 
