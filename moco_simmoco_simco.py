@@ -87,9 +87,7 @@ class Encoder(nn.Module):
 def momentum_encoder(model, ctx):
     """A frozen copy of `model` that only ema_update moves; BatchNorm over the global batch."""
     frozen = common.sync_batchnorm(copy.deepcopy(model), ctx).requires_grad_(False)
-    if ctx.device.type == "cuda":
-        frozen = frozen.to(memory_format=torch.channels_last)
-    return frozen
+    return frozen.to(memory_format=torch.channels_last) if ctx.device.type == "cuda" else frozen
 
 
 @torch.no_grad()
@@ -101,7 +99,7 @@ def ema_update(target, online, momentum):
 
 
 class KeyQueue(nn.Module):
-    """MoCo's dictionary: a FIFO of the last `size` unit keys of the global batch, (K, D).
+    """MoCo's dictionary: a FIFO of the last `size` unit keys of the global batch (K, D).
 
     Buffers, so the checkpoint holds them; the write position is a device tensor (no host sync).
     The rows start as random unit vectors, as MoCo's do, the same on every rank (seeded).
@@ -119,7 +117,7 @@ class KeyQueue(nn.Module):
         around the end, so no row of the batch is dropped."""
         n, size = len(rows), len(self.rows)
         if n > size:
-            raise ValueError(f"a FIFO of {size} rows cannot take a batch of {n}")
+            raise ValueError(f"{type(self).__name__} of {size} rows cannot take a batch of {n}")
         index = (self.ptr + torch.arange(n, device=self.rows.device)) % size  # (N,) wraps around
         self.rows.index_copy_(0, index, rows.to(self.rows.dtype))
         self.ptr.copy_((self.ptr + n) % size)
