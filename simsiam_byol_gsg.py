@@ -242,7 +242,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)  # the same initial model on every rank
     model = SiameseNet(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim,
                        args.pred_hidden, not args.no_predictor, args.proj_layers).to(ctx.device)
-    target = momentum_encoder(model.encoder, ctx) if args.method == "byol" else None  # BYOL's
+    target = momentum_encoder(model.encoder, ctx) if args.method == "byol" else None  # BYOL only
     net = common.distribute(model, ctx)  # global BatchNorm + DDP; `model` stays bare
     if args.compile:
         net = common.compile_model(net, ctx)
