@@ -77,51 +77,48 @@ class Encoder(nn.Module):
     def __init__(self, arch, width, image_size, proj_hidden=128, proj_dim=128):
         super().__init__()
         self.backbone = common.ResNet(arch, width, image_size)
-        self.projector = nn.Sequential(
-            nn.Linear(self.backbone.out_dim, proj_hidden),
-            nn.ReLU(),
-            nn.Linear(proj_hidden, proj_dim),
-        )
+        self.projector = nn.Sequential(nn.Linear(self.backbone.out_dim, proj_hidden), nn.ReLU(),
+                                       nn.Linear(proj_hidden, proj_dim))
 
     def forward(self, x):
         return self.projector(self.backbone(x))
 
 
 def momentum_encoder(model, ctx):
-    """A frozen copy of the query encoder, its BatchNorm over the global batch (no shuffle-BN)."""
-    key_encoder = common.sync_batchnorm(copy.deepcopy(model), ctx).requires_grad_(False)
-    if ctx.device.type == "cuda":
-        key_encoder = key_encoder.to(memory_format=torch.channels_last)
-    return key_encoder
+    """A frozen copy of `model` that only ema_update moves; BatchNorm over the global batch."""
+    frozen = common.sync_batchnorm(copy.deepcopy(model), ctx).requires_grad_(False)
+    return frozen.to(memory_format=torch.channels_last) if ctx.device.type == "cuda" else frozen
 
 
 @torch.no_grad()
 def ema_update(target, online, momentum):
-    """target <- momentum * target + (1 - momentum) * online, parameter by parameter (MoCo's EMA).
-
-    BatchNorm running statistics are not averaged: the key encoder (in train mode) keeps its own.
-    """
+    """target <- momentum * target + (1 - momentum) * online, parameter by parameter. BatchNorm
+    running statistics are not averaged: the target (in train mode) keeps its own."""
     for t, o in zip(target.parameters(), online.parameters()):
         t.lerp_(o, 1 - momentum)
 
 
 class KeyQueue(nn.Module):
-    """MoCo's dictionary: a FIFO of the K most recent keys of ALL ranks, (K, D), unit vectors.
+    """MoCo's dictionary: a FIFO of the last `size` unit keys of the global batch (K, D).
 
-    Buffers, so the checkpoint holds them; ptr is a 0-dim device tensor: a push needs no host sync.
+    Buffers, so the checkpoint holds them; the write position is a device tensor (no host sync).
+    The rows start as random unit vectors, as MoCo's do, the same on every rank (seeded).
     """
 
-    def __init__(self, size, dim):
+    def __init__(self, size, dim, seed=0):
         super().__init__()
-        self.register_buffer("rows", F.normalize(torch.randn(size, dim), dim=1))  # MoCo: from noise
-        self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
+        noise = torch.randn(size, dim, generator=torch.Generator().manual_seed(seed))
+        self.register_buffer("rows", F.normalize(noise, dim=1))  # (K, D)
+        self.register_buffer("ptr", torch.zeros((), dtype=torch.long))  # next row = the oldest
 
     @torch.no_grad()
     def push(self, rows):
-        """rows: (N, D), already gathered from every rank; they replace the N oldest, wrapping."""
+        """rows (N, D) already gathered from every rank: they replace the N oldest rows, wrapping
+        around the end, so no row of the batch is dropped."""
         n, size = len(rows), len(self.rows)
-        assert n <= size, "one push cannot hold more rows than the queue"
-        index = (self.ptr + torch.arange(n, device=rows.device)) % size  # (N,) no row is dropped
+        if n > size:
+            raise ValueError(f"{type(self).__name__} of {size} rows cannot take a batch of {n}")
+        index = (self.ptr + torch.arange(n, device=self.rows.device)) % size  # (N,) wraps around
         self.rows.index_copy_(0, index, rows.to(self.rows.dtype))
         self.ptr.copy_((self.ptr + n) % size)
 
@@ -185,56 +182,60 @@ def anchor_weight_stats(w_alpha, w_beta):
 def train_step(net, optimizer, views, args, ctx, key_encoder=None, queues=None):
     """One SGD step; returns the loss and (mean W(tau_alpha), mean W(tau_beta), H(r_+)).
 
-    mocov2 / simmoco: q from the trained encoder, k from the momentum encoder (no gradient):
-      L(q1, k2), or with --symmetric (L(q1, k2) + L(q2, k1)) / 2. mocov2's negatives are past keys,
-      one queue per key view as official mocov2plus: q1 meets past k2's, q2 past k1's.
-    simco: q and k from the same encoder, (L(z1, z2) + L(z2, z1)) / 2, gradient through both.
-    Each view is its own forward pass, so BatchNorm normalises each view over its own batch, as
-    solo-learn's per-crop forward (solo/methods/base.py), which the official code runs on.
+    L(q, k, queue) is DT Eq. 9 (dual_temperature_loss); f is `net`, f_k the momentum encoder.
+      mocov2 / simmoco: q1 = f(x1), k2 = f_k(x2) (no gradient), L(q1, k2, queue); --symmetric
+        (MoCo v2+ / SimMoCo+) adds q2 = f(x2), k1 = f_k(x1): (L(q1, k2) + L(q2, k1)) / 2. mocov2's
+        negatives are past keys, a queue per key view as official mocov2plus: q1 meets past k2's,
+        q2 past k1's; simmoco's are the batch's other keys (queue None).
+      simco: z1 = f(x1), z2 = f(x2), (L(z1, z2) + L(z2, z1)) / 2, gradient through both.
+    Each view is its own forward pass (BatchNorm over its own batch), as solo-learn's per-crop
+    forward (solo/methods/base.py), which the official code runs on.
     """
+    def L(q, k, queue=None):  # -> (loss, (W(tau_alpha), W(tau_beta)) per anchor)
+        return dual_temperature_loss(q, k, args.tau_alpha, args.tau_beta, queue)
+    x1, x2 = views
     if args.method == "simco":
         with ctx.autocast():
-            z1, z2 = net(views[0]), net(views[1])  # (b, D) each
+            z1, z2 = net(x1), net(x2)  # (b, D) each
         z1, z2 = common.float32(z1), common.float32(z2)
-        pairs = [(z1, z2), (z2, z1)]
+        (loss_12, (wa_12, wb_12)), (loss_21, (wa_21, wb_21)) = L(z1, z2), L(z2, z1)
+        loss = (loss_12 + loss_21) / 2
+        w_alpha, w_beta = torch.cat([wa_12, wa_21]), torch.cat([wb_12, wb_21])  # (2b,) each
     else:
-        query_views, key_views = (views, views[::-1]) if args.symmetric else (views[:1], views[1:])
         with ctx.autocast():
-            queries = [net(v) for v in query_views]  # [q1] or [q1, q2], (b, D) each
+            q1 = net(x1)  # (b, D)
+            q2 = net(x2) if args.symmetric else None
             with torch.no_grad():
-                keys = [key_encoder(v) for v in key_views]  # [k2] or [k2, k1]: q[i]'s positives
-        queries = [common.float32(q) for q in queries]
-        keys = [F.normalize(common.float32(k), dim=1) for k in keys]  # unit vectors, as queued
-        pairs = list(zip(queries, keys))
-    negatives = [queue.rows for queue in queues] if queues is not None else [None] * len(pairs)
-    losses, w_alpha, w_beta = [], [], []
-    for (q, k), queue in zip(pairs, negatives):
-        loss, (w_a, w_b) = dual_temperature_loss(q, k, args.tau_alpha, args.tau_beta, queue)
-        losses.append(loss)
-        w_alpha.append(w_a)
-        w_beta.append(w_b)
-    loss = sum(losses) / len(losses)
+                k2 = key_encoder(x2)  # (b, D) q1's positive
+                k1 = key_encoder(x1) if args.symmetric else None  # q2's
+        q1, k2 = common.float32(q1), F.normalize(common.float32(k2), dim=1)  # keys: unit, as queued
+        loss, (w_alpha, w_beta) = L(q1, k2, queues[0].rows if queues is not None else None)
+        if args.symmetric:
+            q2, k1 = common.float32(q2), F.normalize(common.float32(k1), dim=1)
+            loss_21, (wa_21, wb_21) = L(q2, k1, queues[1].rows if queues is not None else None)
+            loss = (loss + loss_21) / 2
+            w_alpha, w_beta = torch.cat([w_alpha, wa_21]), torch.cat([w_beta, wb_21])  # (2b,)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
     if key_encoder is not None:
         # after the step: the next step's keys come from m * theta_k + (1 - m) * (current theta_q)
         ema_update(key_encoder, net, args.key_momentum)
-    if queues is not None:
-        for (_, k), queue in zip(pairs, queues):
-            queue.push(common.gather(k))  # every rank's keys, in rank order: one process's rows
-    stats = anchor_weight_stats(torch.cat(w_alpha), torch.cat(w_beta))
-    return loss.detach(), stats
+    if queues is not None:  # every rank's keys, in rank order: one process's rows
+        queues[0].push(common.gather(k2))
+        if args.symmetric:
+            queues[1].push(common.gather(k1))
+    return loss.detach(), anchor_weight_stats(w_alpha, w_beta)
 
 
-def recipe(args):
+def recipes(args):
     """MoCo v2's CIFAR augmentation: crop, colour jitter, grayscale, flip; never blur.
 
     The DT paper ("Training") lists crop, jitter, flip and grayscale only, and the official scripts
     set --gaussian_prob 0.0 0.0 (also on STL-10). Jitter strengths 0.4/0.4/0.4/0.1 are the scripts'
     own, p = 0.8 / 0.2 / 0.5 those of solo/utils/pretrain_dataloader.py: common.Recipe's defaults.
     """
-    return common.Recipe(crop_scale=tuple(args.crop_scale), blur_p=0.0)
+    return [common.Recipe(crop_scale=tuple(args.crop_scale), blur_p=0.0)] * 2  # both views
 
 
 # ------------------------------------------------------------------------------ main loop
@@ -247,11 +248,11 @@ def main(argv=None):
     torch.manual_seed(args.seed)  # the same initial model on every rank
     model = Encoder(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim)
     model = model.to(ctx.device)
-    key_encoder = momentum_encoder(model, ctx) if args.method != "simco" else None
+    key_encoder = momentum_encoder(model, ctx) if args.method != "simco" else None  # no shuffle-BN
     queues = None
     if args.method == "mocov2":  # MoCo v2+ keeps one queue per key view, as official mocov2plus
-        queues = nn.ModuleList(KeyQueue(args.queue_size, args.proj_dim)
-                               for _ in range(2 if args.symmetric else 1)).to(ctx.device)
+        queues = nn.ModuleList(KeyQueue(args.queue_size, args.proj_dim, args.seed + i)
+                               for i in range(2 if args.symmetric else 1)).to(ctx.device)
     net = common.distribute(model, ctx)  # global BatchNorm + DDP; `model` stays bare
     if args.compile:
         net = common.compile_model(net, ctx)
@@ -261,8 +262,7 @@ def main(argv=None):
     states = {"model": model, "optimizer": optimizer, "key_encoder": key_encoder, "queues": queues}
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
     common.start_run(args, ctx, "moco_simmoco_simco")
-    augment = common.Augment([recipe(args), recipe(args)], data.image_size, data.mean, data.std,
-                             ctx)
+    augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
     steps = len(data) // args.batch_size
 
     for epoch in range(start_epoch, args.epochs):

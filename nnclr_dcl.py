@@ -88,17 +88,17 @@ class NNCLR(nn.Module):
 # ------------------------------------------------------------------------------ support set
 
 class SupportSet(nn.Module):
-    """NNCLR's support set Q: a FIFO of the last `size` unit projections of the global batch.
+    """NNCLR's support set Q: a FIFO of the last `size` unit projections of the global batch (Q, D).
 
-    Buffers, so it goes into the checkpoint; the write position is a device tensor (no host sync).
-    The rows start as random unit vectors (label -1), as the public NNCLR implementations do, the
-    same on every rank (seeded). `labels` serve only the neighbour-quality diagnostic.
+    Buffers, so the checkpoint holds them; the write position is a device tensor (no host sync).
+    The rows start as random unit vectors, as the public NNCLR implementations do, the same on
+    every rank (seeded). `labels` (-1: none yet) serve only the neighbour-quality diagnostic.
     """
 
     def __init__(self, size, dim, seed=0):
         super().__init__()
-        generator = torch.Generator().manual_seed(seed)
-        self.register_buffer("z", F.normalize(torch.randn(size, dim, generator=generator), dim=1))
+        noise = torch.randn(size, dim, generator=torch.Generator().manual_seed(seed))
+        self.register_buffer("rows", F.normalize(noise, dim=1))  # (Q, D)
         self.register_buffer("labels", torch.full((size,), -1, dtype=torch.long))  # (Q,)
         self.register_buffer("ptr", torch.zeros((), dtype=torch.long))  # next row = the oldest
 
@@ -106,11 +106,11 @@ class SupportSet(nn.Module):
     def push(self, rows, labels):
         """rows (N, D) and labels (N,) already gathered from every rank: they replace the N oldest
         rows, wrapping around the end, so no row of the batch is dropped."""
-        n, size = rows.shape[0], self.z.shape[0]
+        n, size = len(rows), len(self.rows)
         if n > size:
-            raise ValueError(f"support set of {size} rows cannot take a batch of {n}")
-        index = (self.ptr + torch.arange(n, device=self.z.device)) % size  # (N,) wraps around
-        self.z.index_copy_(0, index, rows.to(self.z.dtype))
+            raise ValueError(f"{type(self).__name__} of {size} rows cannot take a batch of {n}")
+        index = (self.ptr + torch.arange(n, device=self.rows.device)) % size  # (N,) wraps around
+        self.rows.index_copy_(0, index, rows.to(self.rows.dtype))
         self.labels.index_copy_(0, index, labels.to(self.labels.device))
         self.ptr.copy_((self.ptr + n) % size)
 
@@ -159,7 +159,7 @@ def nnclr_loss(z1, z2, p1, p2, support_set, temperature=0.1, loss="dcl", sigma=0
         logits = anchors @ candidates.T / temperature  # (B, N)
         columns = torch.arange(logits.shape[1], device=logits.device)  # (N,)
         positive_mask = columns == own[:, None]  # (B, N) anchor i's positive is p_i
-        pos = logits[rows, own]  # (B,) (indices, not the mask: no wait for the GPU's count)
+        pos = logits[rows, own]  # (B,) pos_i, each anchor's positive logit
         if loss != "infonce":
             logits = logits.masked_fill(positive_mask, -math.inf)  # DCL Prop. 2: drop the positive
         weight = dclw_weights((anchors * partners).sum(1), sigma) if loss == "dclw" else 1.0  # (B,)
@@ -181,7 +181,7 @@ def dclw_weights(pos_similarity, sigma=0.5):
 
 # ------------------------------------------------------------------------------ training step
 
-def train_step(model, optimizer, views, labels, support_set, args, ctx):
+def train_step(net, optimizer, views, args, ctx, labels, support_set):
     """One SGD step on both views, then the support set takes the global batch's unit z^(1).
 
     Returns the loss and, for the diagnostic, how many of this rank's labelled anchors have a
@@ -190,12 +190,12 @@ def train_step(model, optimizer, views, labels, support_set, args, ctx):
     with ctx.autocast():
         # one forward pass per view, so BatchNorm normalises each view with its own statistics,
         # as solo-learn's NNCLR (per-crop forward) does; simclr_dcl.py keeps SimCLR's joint pass
-        (z1, p1), (z2, p2) = model(views[0]), model(views[1])  # (B, D) each
+        (z1, p1), (z2, p2) = net(views[0]), net(views[1])  # (B, D) each
     z1, z2 = common.float32(z1), common.float32(z2)
     p1, p2 = common.float32(p1), common.float32(p2)
-    loss = nnclr_loss(z1, z2, p1, p2, support_set.z, args.temperature, args.loss, args.sigma)
+    loss = nnclr_loss(z1, z2, p1, p2, support_set.rows, args.temperature, args.loss, args.sigma)
     with torch.no_grad():  # NNCLR's neighbour quality: same class as the anchor? (never trains)
-        index = nearest_index(torch.cat([z1, z2]), support_set.z)  # (2B,) the loss's neighbours
+        index = nearest_index(torch.cat([z1, z2]), support_set.rows)  # (2B,) the loss's neighbours
         anchor_labels = labels.repeat(2)  # (2B,)
         labelled = anchor_labels >= 0  # STL-10's unlabeled images are -1: left out
         same_class = (support_set.labels[index] == anchor_labels) & labelled
@@ -253,8 +253,8 @@ def main(argv=None):
             for group in optimizer.param_groups:
                 group["lr"] = lr
             views = augment(images, generator)
-            loss, same_class, labelled = train_step(net, optimizer, views, labels, support_set,
-                                                    args, ctx)
+            loss, same_class, labelled = train_step(net, optimizer, views, args, ctx, labels,
+                                                    support_set)
             meter.update(lr, loss=loss, same_class=same_class, labelled=labelled)
         record = meter.summary()
         common.check_finite(record)

@@ -94,7 +94,7 @@ def contrastive_loss(z1, z2, temperature=0.1, loss="infonce", sigma=0.5, reducti
     positive = start + (rows + b) % (2 * b)  # (2B,) the column of each anchor's other view
     self_mask = columns == (start + rows)[:, None]  # (2B, 2N) the anchor itself
     positive_mask = columns == positive[:, None]  # (2B, 2N) its other view
-    pos = logits[rows, positive]  # (2B,) (indices, not the mask: no wait for the GPU's count)
+    pos = logits[rows, positive]  # (2B,) pos_i, each anchor's positive logit
     logits = logits.masked_fill(self_mask, -math.inf)  # a view is not its own negative
     if loss != "infonce":
         logits = logits.masked_fill(positive_mask, -math.inf)  # DCL Prop. 2: drop the positive
@@ -133,12 +133,12 @@ def npc_multiplier(z1, z2, temperature=0.1):
 
 # ------------------------------------------------------------------------------ training step
 
-def train_step(model, optimizer, views, args, ctx):
+def train_step(net, optimizer, views, args, ctx):
     """One SGD step on both views; returns the loss and q_B per anchor (DCL Fig. 1 diagnostics)."""
     with ctx.autocast():
         # both views in one forward pass, BatchNorm statistics over all 2B views: SimCLR's own
         # convention (google-research/simclr tf2/model.py concatenates the views)
-        z1, z2 = model(torch.cat(views)).chunk(2)  # (B, D) each
+        z1, z2 = net(torch.cat(views)).chunk(2)  # (B, D) each
     z1, z2 = common.float32(z1), common.float32(z2)
     loss = contrastive_loss(z1, z2, args.temperature, args.loss, args.sigma)
     q = npc_multiplier(z1, z2, args.temperature)  # (2B,) under no_grad, beside the loss
@@ -148,12 +148,12 @@ def train_step(model, optimizer, views, args, ctx):
     return loss.detach(), q
 
 
-def recipe(args):
-    """SimCLR's augmentation. Up to 64 px its CIFAR command (google-research/simclr README:
-    --color_jitter_strength=0.5, i.e. jitter (0.4, 0.4, 0.4, 0.1), --use_blur=False); larger
-    images add Gaussian blur with p=0.5 (SimCLR paper, Appendix A)."""
+def recipes(args):
+    """SimCLR's augmentation, the same for both views. Up to 64 px its CIFAR command
+    (google-research/simclr README: --color_jitter_strength=0.5, i.e. jitter (0.4, 0.4, 0.4, 0.1),
+    --use_blur=False); larger images add Gaussian blur with p=0.5 (SimCLR paper, Appendix A)."""
     blur_p = 0.5 if args.image_size > 64 else 0.0
-    return common.Recipe(crop_scale=tuple(args.crop_scale), blur_p=blur_p)
+    return [common.Recipe(crop_scale=tuple(args.crop_scale), blur_p=blur_p)] * 2
 
 
 # ------------------------------------------------------------------------------ main loop
@@ -174,7 +174,7 @@ def main(argv=None):
     states = {"model": model, "optimizer": optimizer}  # what checkpoint.pt holds
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
     common.start_run(args, ctx, "simclr_dcl")
-    augment = common.Augment([recipe(args)] * 2, data.image_size, data.mean, data.std, ctx)
+    augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
     steps = len(data) // args.batch_size
 
     for epoch in range(start_epoch, args.epochs):

@@ -102,10 +102,16 @@ class SiameseNet(nn.Module):
         return z, [self.predictor(t) for t in z]
 
 
+def momentum_encoder(model, ctx):
+    """A frozen copy of `model` that only ema_update moves; BatchNorm over the global batch."""
+    frozen = common.sync_batchnorm(copy.deepcopy(model), ctx).requires_grad_(False)
+    return frozen.to(memory_format=torch.channels_last) if ctx.device.type == "cuda" else frozen
+
+
 @torch.no_grad()
 def ema_update(target, online, momentum):
-    """target <- momentum * target + (1 - momentum) * online, parameter by parameter (BYOL's
-    target; its BatchNorm running statistics are its own, from its own forward passes)."""
+    """target <- momentum * target + (1 - momentum) * online, parameter by parameter. BatchNorm
+    running statistics are not averaged: the target (in train mode) keeps its own."""
     for t, o in zip(target.parameters(), online.parameters()):
         t.lerp_(o, 1 - momentum)
 
@@ -136,8 +142,7 @@ def guided_stopgrad_loss(p11, p12, p21, p22, z11, z12, z21, z22, mode="guided", 
     and puts the predictor on view 1 + c // 2 of x1 and view 1 + c % 2 of x2.
     mode: guided  c = argmin d (Eq. 5): the two closest cross-image views get the predictor;
           reverse c = 3 - argmin d: the other two terms of Eq. 2 (Eq. 7, Sec. 6.1);
-          random  c uniform in 0..3 (Sec. 6.1): `random_case` (B,) if given, else torch's RNG.
-    """
+          random  c uniform in 0..3 (Sec. 6.1): `random_case` (B,) if given, else torch's RNG."""
     with torch.no_grad():
         d = torch.stack([(z11 - z21).norm(dim=1), (z11 - z22).norm(dim=1),
                          (z12 - z21).norm(dim=1), (z12 - z22).norm(dim=1)], 1)  # (B, 4)
@@ -193,22 +198,20 @@ def projection_std(z):
 
 # ------------------------------------------------------------------------------ training step
 
-def train_step(net, target, optimizer, views, partner, random_case, args, ctx,
-               online=None, tau=None):
+def train_step(net, optimizer, views, args, ctx, pairing=None, target=None, online=None, tau=None):
     """One SGD step (+ BYOL's EMA) -> loss, the GSG case per image (None if symmetric), proj std.
-    views: this rank's crops (b, 3, S, S): 2 for symmetric, 4 for GSG (0, 1: x1's; 2, 3: x2's, of
-    image r(i)). target: BYOL's momentum encoder following `online` with momentum tau; None for
-    SimSiam, whose targets are its own projections."""
+    views: this rank's crops (b, 3, S, S), 2 for symmetric, 4 for GSG (0, 1: x1's; 2, 3: x2's, of
+    image r(i)); pairing: draw_pairing's (r(i), random_case). target: BYOL's momentum encoder, after
+    the step moved towards `online` (the bare encoder) by tau; None for SimSiam (targets: its z)."""
     with ctx.autocast():
         z, p = net(*views)  # V x (b, D) projections and predictions, one encoder pass per crop
-        t = z  # SimSiam's targets: its own projections (stop-gradient at each D call)
-        if target is not None:
-            with torch.no_grad():
-                t = [target(x) for x in views]  # BYOL: one momentum-encoder pass per crop
+        with torch.no_grad():  # BYOL's targets: one momentum-encoder pass per crop
+            t = [target(x) for x in views] if target is not None else z  # SimSiam's: its own z
     p, t = [common.float32(x) for x in p], [common.float32(x) for x in t]  # loss in fp32 under bf16
     if args.stopgrad == "symmetric":
         loss, case = symmetric_loss(p[0], p[1], t[0], t[1]), None
     else:
+        partner, random_case = pairing
         p21, p22, z21, z22 = partner_crops(p[2], p[3], t[2], t[3], partner)
         loss, case = guided_stopgrad_loss(p[0], p[1], p21, p22, t[0], t[1], z21, z22,
                                           args.stopgrad, random_case)
@@ -239,11 +242,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)  # the same initial model on every rank
     model = SiameseNet(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim,
                        args.pred_hidden, not args.no_predictor, args.proj_layers).to(ctx.device)
-    target = None  # BYOL's: a copy of the online encoder that moves only by EMA, its BatchNorm
-    if args.method == "byol":  # global too, or N processes would normalise targets differently
-        target = common.sync_batchnorm(copy.deepcopy(model.encoder), ctx).requires_grad_(False)
-        if ctx.device.type == "cuda":
-            target = target.to(memory_format=torch.channels_last)
+    target = momentum_encoder(model.encoder, ctx) if args.method == "byol" else None  # BYOL only
     net = common.distribute(model, ctx)  # global BatchNorm + DDP; `model` stays bare
     if args.compile:
         net = common.compile_model(net, ctx)
@@ -272,10 +271,10 @@ def main(argv=None):
             for group in optimizer.param_groups:
                 group["lr"] = peak_lr if group["fix_lr"] else lr
             views = augment(images, generator)
-            partner, random_case = draw_pairing(args.batch_size, args.stopgrad, order, ctx)
+            pairing = draw_pairing(args.batch_size, args.stopgrad, order, ctx)  # GSG's r(i)
             tau = ema_momentum(global_step, total_steps, args.ema, args.ema_schedule)
-            loss, case, proj_std = train_step(net, target, optimizer, views, partner,
-                                              random_case, args, ctx, model.encoder, tau)
+            loss, case, proj_std = train_step(net, optimizer, views, args, ctx, pairing=pairing,
+                                              target=target, online=model.encoder, tau=tau)
             scalars = {"loss": loss, "proj_std": proj_std}
             if case is not None:  # how often each distance was the guide (Eq. 5)
                 counts = F.one_hot(case, 4).float().mean(0)  # (4,); bincount would sync the host

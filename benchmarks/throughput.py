@@ -168,7 +168,7 @@ def augmentation_rows(args, ctx):
     cores, s, b = os.cpu_count() or 1, args.aug_image_size, args.aug_batch
     options = simclr_dcl.parse_args(["--out", os.path.join(ctx.out, "aug")])
     options.image_size = s  # as main() sets it from the data
-    recipe = simclr_dcl.recipe(options)
+    recipe = simclr_dcl.recipes(options)[0]  # one view
     assert recipe.blur_p == 0 and recipe.solarize_p == 0, "the PIL baseline has no blur/solarise"
     augment = common.Augment([recipe], s, CIFAR_MEAN, CIFAR_STD, ctx)
     images = torch.randint(0, 256, (b, 3, s, s), dtype=torch.uint8, device=ctx.device)

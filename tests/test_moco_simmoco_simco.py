@@ -204,7 +204,8 @@ def tiny_setup(method, symmetric, ctx, queue_size=20, seed=0):
     key_encoder = mss.momentum_encoder(model, ctx) if method != "simco" else None
     queues = None
     if method == "mocov2":
-        queues = torch.nn.ModuleList(mss.KeyQueue(queue_size, 8) for _ in range(1 + symmetric))
+        queues = torch.nn.ModuleList(mss.KeyQueue(queue_size, 8, seed + i)
+                                     for i in range(1 + symmetric))
     net = common.distribute(model, ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
     args = argparse.Namespace(method=method, symmetric=symmetric, tau_alpha=0.1, tau_beta=0.5,

@@ -214,7 +214,7 @@ def test_support_set_is_a_fifo_that_wraps_around_without_dropping_rows():
     """Rows enter in order; past the end they wrap to the front, overwriting the oldest rows, and
     every row of a batch is kept. Stored rows carry no autograd history."""
     support = SupportSet(5, 2)
-    assert (support.labels == -1).all() and torch.allclose(support.z.norm(dim=1), torch.ones(5))
+    assert (support.labels == -1).all() and torch.allclose(support.rows.norm(dim=1), torch.ones(5))
     batch = lambda start, n: (torch.arange(start, start + n).float()[:, None].repeat(1, 2),
                               torch.arange(start, start + n))
     support.push(*batch(0, 3))
@@ -222,7 +222,7 @@ def test_support_set_is_a_fifo_that_wraps_around_without_dropping_rows():
     z, labels = batch(3, 4)
     support.push(z.requires_grad_(), labels)  # rows 3, 4, then 0, 1: the oldest (0, 1) go
     assert support.ptr == 2 and support.labels.tolist() == [5, 6, 2, 3, 4]
-    assert support.z[:, 0].tolist() == [5, 6, 2, 3, 4] and not support.z.requires_grad
+    assert support.rows[:, 0].tolist() == [5, 6, 2, 3, 4] and not support.rows.requires_grad
     support.push(*batch(7, 5))  # exactly a full turn
     assert support.ptr == 2 and support.labels.tolist() == [10, 11, 7, 8, 9]
     with pytest.raises(ValueError):
@@ -233,10 +233,10 @@ def test_support_set_state_dict_round_trip(tmp_path):
     """Rows, labels and the write position go through state_dict; a support set of another size
     is refused by the checkpoint loader with a UserError."""
     a, b = SupportSet(6, 3, seed=1), SupportSet(6, 3, seed=2)
-    assert not torch.equal(a.z, b.z)
+    assert not torch.equal(a.rows, b.rows)
     a.push(torch.ones(4, 3), torch.arange(4))
     b.load_state_dict(a.state_dict())
-    assert torch.equal(a.z, b.z) and torch.equal(a.labels, b.labels) and a.ptr == b.ptr == 4
+    assert torch.equal(a.rows, b.rows) and torch.equal(a.labels, b.labels) and a.ptr == b.ptr == 4
     ctx = common.Context(0, 1, 0, torch.device("cpu"), str(tmp_path), False)
     common.save_checkpoint(ctx, 1, {"support_set": a})
     with pytest.raises(common.UserError, match="support_set does not fit"):
@@ -267,7 +267,7 @@ def test_train_step_minimises_nnclr_loss_then_enqueues_z1_and_counts_same_class_
         labels = torch.tensor([0, 1, 2, 0, -1, 1])
         support = SupportSet(10, 8, seed=3)
         support.labels[:] = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
-        before = support.z.clone()
+        before = support.rows.clone()
         (z1, p1), (z2, p2) = model(views[0]), model(views[1])  # one BatchNorm batch per view
         expect = nnclr_loss(z1, z2, p1, p2, before, TAU, "dclw")
         z = F.normalize(torch.cat([z1, z2]).detach(), dim=1)
@@ -275,14 +275,15 @@ def test_train_step_minimises_nnclr_loss_then_enqueues_z1_and_counts_same_class_
         anchor_labels = labels.repeat(2)
         expect_same = sum(int(a >= 0 and support.labels[r] == a)
                           for a, r in zip(anchor_labels.tolist(), nn_rows.tolist()))
-        loss, same_class, labelled = nnclr_dcl.train_step(model, optimizer, views, labels, support,
-                                                          step_args(), ctx)
+        loss, same_class, labelled = nnclr_dcl.train_step(model, optimizer, views, step_args(), ctx,
+                                                          labels, support)
     finally:
         torch.set_default_dtype(torch.float32)
     assert torch.allclose(loss, expect, atol=1e-12)
     assert same_class.item() == expect_same and labelled.item() == 10
-    assert support.ptr == 6 and torch.allclose(support.z[:6], z[:6], atol=1e-12)
-    assert torch.equal(support.z[6:], before[6:]) and support.labels[:6].tolist() == labels.tolist()
+    assert support.ptr == 6 and torch.allclose(support.rows[:6], z[:6], atol=1e-12)
+    assert torch.equal(support.rows[6:], before[6:])
+    assert support.labels[:6].tolist() == labels.tolist()
 
 
 # ------------------------------------------------------------------------ 2 processes == 1 process
@@ -316,7 +317,7 @@ def _train_three_steps(ctx, rows):
     for _ in range(3):
         views = [torch.randn(8, 3, 8, 8, generator=g)[rows] for _ in range(2)]
         labels = torch.randint(-1, 3, (8,), generator=g)[rows]
-        out = nnclr_dcl.train_step(net, optimizer, views, labels, support, step_args(), ctx)
+        out = nnclr_dcl.train_step(net, optimizer, views, step_args(), ctx, labels, support)
         history.append(torch.stack([t.double() for t in out]))  # [loss, same class, labelled]
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return params, support.state_dict(), torch.stack(history)  # history: (3 steps, 3)
@@ -367,7 +368,7 @@ def test_support_set_takes_every_ranks_rows(two_processes):
     for rank in two_processes:
         assert torch.equal(rank["push"]["labels"], single.labels)
         assert rank["push"]["ptr"] == single.ptr
-        assert torch.equal(rank["push"]["z"], single.z)
+        assert torch.equal(rank["push"]["rows"], single.rows)
 
 
 def test_two_processes_train_like_one_process(two_processes):
@@ -385,7 +386,7 @@ def test_two_processes_train_like_one_process(two_processes):
         for key, value in params.items():
             assert torch.allclose(rank_params[key], value, atol=1e-10), key
             moved = max(moved, (value.double() - initial[key]).abs().max().item())
-        assert torch.allclose(rank_support["z"], support["z"], atol=1e-10)
+        assert torch.allclose(rank_support["rows"], support["rows"], atol=1e-10)
         assert torch.equal(rank_support["labels"], support["labels"])
         assert rank_support["ptr"] == support["ptr"] == 0
     ranks = torch.stack([r["train"][2] for r in two_processes])  # (2, 3, 3)
@@ -441,4 +442,4 @@ def test_smoke_python_and_torchrun_agree(tiny_folder, tmp_path):
     s1 = torch.load(tmp_path / "one" / "checkpoint.pt")["support_set"]
     s2 = torch.load(tmp_path / "two" / "checkpoint.pt")["support_set"]
     assert s1["ptr"] == s2["ptr"] == 64 % 40 and torch.equal(s1["labels"], s2["labels"])
-    assert torch.allclose(s1["z"], s2["z"], atol=1e-3)
+    assert torch.allclose(s1["rows"], s2["rows"], atol=1e-3)

@@ -1,7 +1,6 @@
 """simsiam_byol_gsg.py: the GSG paper's identities, BYOL's EMA, 2 processes == 1 process,
 exact resume, and runs of every method x stop-gradient mode."""
 import argparse
-import copy
 import json
 import os
 
@@ -171,14 +170,14 @@ def test_simsiam_target_gets_no_gradient_and_byol_target_moves_only_by_ema_after
     only_p = torch.autograd.grad([p1, p2], list(model.parameters()), grad_outputs=grad_via_p)
     for a, b in zip(full, only_p):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-    target = copy.deepcopy(model.encoder).requires_grad_(False)  # as main builds it
+    target = gsg.momentum_encoder(model.encoder, CPU)  # as main builds it
     with torch.no_grad():  # the target differs from the online encoder, so the EMA is visible
         for t in target.parameters():
             t.add_(torch.randn_like(t))
     old = [t.clone() for t in target.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    gsg.train_step(model, target, optimizer, views, torch.randperm(8), None, args, CPU,
-                   model.encoder, 0.9)
+    gsg.train_step(model, optimizer, views, args, CPU, pairing=(torch.randperm(8), None),
+                   target=target, online=model.encoder, tau=0.9)
     for t, o, theta in zip(target.parameters(), old, model.encoder.parameters()):
         torch.testing.assert_close(t, 0.9 * o + 0.1 * theta, rtol=0, atol=1e-12)
     (z1, z2), (p1, p2) = gsg.SiameseNet("resnet18", 4, 8, 8, 8, 4, predictor=False)(*views[:2])
@@ -238,7 +237,7 @@ def test_partners_views_are_its_crops_2_and_3_not_its_own_pair_and_the_loss_uses
     expected = gsg.guided_stopgrad_loss(p[0], p[1], p[2][r], p[3][r], z[0], z[1], z[2][r], z[3][r])
     two_crop = gsg.guided_stopgrad_loss(p[0], p[1], p[0][r], p[1][r], z[0], z[1], z[0][r], z[1][r])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loss, case, _ = gsg.train_step(model, None, optimizer, views, partner, None, args, CPU)
+    loss, case, _ = gsg.train_step(model, optimizer, views, args, CPU, pairing=(partner, None))
     torch.testing.assert_close(loss, expected[0], rtol=0, atol=1e-6)
     assert torch.equal(case, expected[1])
     assert (loss - two_crop[0]).abs() > 1e-3
@@ -293,7 +292,7 @@ def _train_steps(rank, world, method):
     model = gsg.SiameseNet("resnet18", WIDTH, SIZE, 16, 16, 8)
     target = None
     if method == "byol":
-        target = common.sync_batchnorm(copy.deepcopy(model.encoder), ctx).requires_grad_(False)
+        target = gsg.momentum_encoder(model.encoder, ctx)
     net = common.distribute(model, ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=5e-4)
     args = type("Args", (), {"stopgrad": "guided"})
@@ -302,9 +301,9 @@ def _train_steps(rank, world, method):
     for step in range(STEPS):
         g = torch.Generator().manual_seed(100 + step)
         crops = [torch.randn(N, 3, SIZE, SIZE, generator=g)[rows] for _ in range(4)]
-        partner, _ = gsg.draw_pairing(N, "guided", g, ctx)
-        loss, case, std = gsg.train_step(net, target, optimizer, crops, partner, None, args, ctx,
-                                         model.encoder, 0.9)
+        pairing = gsg.draw_pairing(N, "guided", g, ctx)
+        loss, case, std = gsg.train_step(net, optimizer, crops, args, ctx, pairing=pairing,
+                                         target=target, online=model.encoder, tau=0.9)
         losses.append(loss)
         cases.append(case)
     return {"model": model.state_dict(), "target": target.state_dict() if target else None,

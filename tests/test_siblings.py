@@ -1,0 +1,69 @@
+"""The concepts two method files share look alike in each (STYLE.md habit 15): the FIFO of
+embeddings, the momentum encoder and its EMA, the recipe function and train_step's arguments."""
+import inspect
+
+import pytest
+import torch
+
+import common
+import moco_simmoco_simco as mss
+import nnclr_dcl
+import simclr_dcl
+import simsiam_byol_gsg as gsg
+
+METHOD_FILES = (simclr_dcl, mss, nnclr_dcl, gsg)
+
+
+def test_key_queue_and_support_set_are_one_fifo_shape():
+    """MoCo's KeyQueue and NNCLR's SupportSet: (size, dim, seed=0); buffers `rows` (size, dim),
+    random unit vectors drawn from the seed alone (the same on every rank), and the write position
+    `ptr`; push(rows, ...) writes at ptr and refuses more rows than the FIFO holds with one
+    ValueError naming the class."""
+    for fifo in (mss.KeyQueue, nnclr_dcl.SupportSet):
+        signature = inspect.signature(fifo)
+        assert list(signature.parameters) == ["size", "dim", "seed"], fifo
+        assert signature.parameters["seed"].default == 0, fifo
+        assert list(inspect.signature(fifo.push).parameters)[:2] == ["self", "rows"], fifo
+    torch.manual_seed(0)
+    queue = mss.KeyQueue(6, 3, seed=4)
+    torch.manual_seed(1)  # the global RNG plays no part
+    again, support = mss.KeyQueue(6, 3, seed=4), nnclr_dcl.SupportSet(6, 3, seed=4)
+    assert torch.equal(queue.rows, again.rows) and torch.equal(queue.rows, support.rows)
+    assert not torch.equal(queue.rows, mss.KeyQueue(6, 3, seed=5).rows)
+    assert queue.rows.shape == (6, 3)
+    assert torch.allclose(queue.rows.norm(dim=1), torch.ones(6))
+    assert set(dict(queue.named_buffers())) == {"rows", "ptr"}
+    assert set(dict(support.named_buffers())) == {"rows", "labels", "ptr"}
+    queue.push(torch.ones(4, 3))
+    support.push(torch.ones(4, 3), torch.arange(4))
+    assert queue.ptr.item() == support.ptr.item() == 4
+    with pytest.raises(ValueError, match="KeyQueue of 6 rows cannot take a batch of 7"):
+        queue.push(torch.ones(7, 3))
+    with pytest.raises(ValueError, match="SupportSet of 6 rows cannot take a batch of 7"):
+        support.push(torch.ones(7, 3), torch.arange(7))
+
+
+def test_momentum_encoder_and_ema_update_are_the_same_code_in_both_files():
+    """MoCo's key encoder and BYOL's target come from momentum_encoder(model, ctx): a frozen copy
+    with the model's values; ema_update(target, online, momentum) moves it. Both files' copies are
+    the same source, docstrings included."""
+    for name in ("momentum_encoder", "ema_update"):
+        assert inspect.getsource(getattr(mss, name)) == inspect.getsource(getattr(gsg, name)), name
+    ctx = common.Context(0, 1, 0, torch.device("cpu"), out=None, amp=False)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    frozen = gsg.momentum_encoder(model, ctx)
+    for p, f in zip(model.parameters(), frozen.parameters()):
+        assert torch.equal(p, f) and p is not f and not f.requires_grad and p.requires_grad
+
+
+def test_every_method_file_has_recipes_and_the_same_first_train_step_arguments():
+    """recipes(args) -> one common.Recipe per view (no file keeps a `recipe`); train_step(net,
+    optimizer, views, args, ctx, ...): the file's own state (queues, support set, target) after."""
+    for module in METHOD_FILES:
+        args = module.parse_args(["--stopgrad", "symmetric"] if module is gsg else [])
+        args.image_size = 32
+        views = module.recipes(args)
+        assert len(views) == 2 and all(isinstance(r, common.Recipe) for r in views), module
+        assert not hasattr(module, "recipe"), module
+        first = list(inspect.signature(module.train_step).parameters)[:5]
+        assert first == ["net", "optimizer", "views", "args", "ctx"], module
