@@ -117,9 +117,9 @@ def add_common_args(parser):
       "SimSiam's and GSG's main_lincls.py --lars, LARS lr 0.1 per 256, batch 4096, 90 epochs, "
       "cosine (the last three on crop+flip views)")
     a("--linear-epochs", type=non_negative_int,
-      help="probe epochs (default: the protocol's; 0: no probe)")
-    a("--linear-lr", type=positive_float, help="probe lr per 256 images (default: the protocol's)")
-    a("--linear-batch", type=positive_int, help="probe batch (default: the protocol's)")
+      help="probe epochs (None: the protocol's; 0: no probe)")
+    a("--linear-lr", type=positive_float, help="probe lr per 256 images (None: the protocol's)")
+    a("--linear-batch", type=positive_int, help="probe batch (None: the protocol's)")
     a("--seed", type=seed_value, default=0, help="seed of model init, data order, augmentation")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu",
       help="cuda, cuda:N or cpu (under torchrun, cuda means cuda:LOCAL_RANK)")
