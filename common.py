@@ -94,6 +94,13 @@ def add_common_args(parser):
     a("--lr", type=positive_float, help="base learning rate per 256 images (lr = LR * batch / 256)")
     a("--wd", type=non_negative_float, help="weight decay")
     a("--warmup-epochs", type=non_negative_int, help="linear learning-rate warm-up epochs")
+    a("--optimizer", choices=["sgd", "lars"], default="sgd", help="pre-training: SGD momentum "
+      "0.9, or LARS (common.LARS; batch-norm and bias parameters without weight decay and trust "
+      "ratio)")
+    a("--lars-eta", type=positive_float, default=0.001,
+      help="LARS trust coefficient eta (0.001: SimCLR's lars_optimizer.py)")
+    a("--lars-clip", action=argparse.BooleanOptionalAction, default=False,
+      help="LARS: a tensor's lr never exceeds the scheduled lr (solo-learn's clip_lr)")
     a("--crop-scale", type=float, nargs=2, metavar=("MIN", "MAX"), help="random crop's area range")
     a("--out", help="run folder (default runs/<script>-<time>-<process id>)")
     a("--resume", metavar="RUN", help="continue RUN bit-for-bit, or evaluate a finished RUN again")
@@ -101,11 +108,18 @@ def add_common_args(parser):
     a("--eval-every", type=positive_int, default=10, help="kNN monitor every N epochs (and last)")
     a("--knn-k", type=positive_int, default=200, help="neighbours of the kNN monitor")
     a("--knn-t", type=positive_float, default=0.1, help="temperature of the weighted kNN vote")
-    a("--linear-epochs", type=non_negative_int, default=100, help="final linear probe (0: none)")
-    a("--linear-aug", action=argparse.BooleanOptionalAction, default=False, help="the probe of "
-      "MoCo/SimSiam/GSG: SGD on crop+flip views (slow), not AdamW on fixed standardised features")
-    a("--linear-lr", type=positive_float, default=30.0,
-      help="--linear-aug SGD lr per 256 images (MoCo's main_lincls.py)")
+    a("--online-probe", action=argparse.BooleanOptionalAction, default=False,
+      help="solo-learn's online linear classifier on the training views' detached features")
+    a("--linear-protocol", choices=list(LINEAR_PROTOCOLS), default="fixed", help="the final "
+      "linear probe on the frozen backbone: fixed = this project's fast probe, AdamW on fixed "
+      "standardised features; gsg-cifar = GSG Sec. 5.1, SGD lr 30, 90 epochs, cosine; moco = "
+      "MoCo's main_lincls.py, SGD lr 30, 100 epochs, x0.1 at 60 and 80; simsiam-imagenet = "
+      "SimSiam's and GSG's main_lincls.py --lars, LARS lr 0.1 per 256, batch 4096, 90 epochs, "
+      "cosine (the last three on crop+flip views)")
+    a("--linear-epochs", type=non_negative_int,
+      help="probe epochs (None: the protocol's; 0: no probe)")
+    a("--linear-lr", type=positive_float, help="probe lr per 256 images (None: the protocol's)")
+    a("--linear-batch", type=positive_int, help="probe batch (None: the protocol's)")
     a("--seed", type=seed_value, default=0, help="seed of model init, data order, augmentation")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu",
       help="cuda, cuda:N or cpu (under torchrun, cuda means cuda:LOCAL_RANK)")
@@ -116,7 +130,8 @@ def add_common_args(parser):
 
 # The options --resume may change; every other one comes from the run's config.json.
 RESUMABLE = {"resume", "device", "data_dir", "workers", "stop_after", "eval_every", "compile",
-             "amp", "knn_k", "knn_t", "linear_epochs", "linear_aug", "linear_lr"}
+             "amp", "knn_k", "knn_t", "linear_protocol", "linear_epochs", "linear_lr",
+             "linear_batch"}
 
 
 def parse_args(parser, argv, script):
@@ -403,9 +418,6 @@ def load_data(args, ctx, crops=2):
         train = torchvision_split(args, ctx, args.limit_train, train=True)
         data = Data(*train, train, torchvision_split(args, ctx, None, train=False),
                     100 if args.dataset == "cifar100" else 10, size, mean, std)
-    if data.streaming and args.linear_aug and args.linear_epochs:
-        raise UserError("--linear-aug needs the data set held on the device (not --stream); "
-                        "use --no-linear-aug, or --linear-epochs 0")
     if len(data) < args.batch_size:
         raise UserError(f"--batch-size {args.batch_size} is more than the {len(data)} training "
                         f"images; use a smaller batch")
@@ -703,6 +715,68 @@ class Augment:
         return normalize(x, self.mean, self.std)
 
 
+# ------------------------------------------------------------------------------ optimisers
+class LARS(torch.optim.Optimizer):
+    """SGD with momentum and LARS's layer-wise trust ratio (You et al. 2017), per parameter tensor:
+
+        g' = g + wd * w,   r = eta * ||w|| / ||g'||   (r = 1 where ||w|| or ||g'|| is 0)
+        with `clip`: r = min(r / lr, 1)   (the tensor's lr eta ||w|| / ||g'|| never exceeds lr)
+        buf <- momentum * buf + r * g',   w <- w - lr * buf
+
+    r as google-research/simclr lars_optimizer.py lines 98-110 (eta 0.001, its line 26; the LARS
+    paper and solo-learn's solo/utils/lars.py line 142 divide by ||g|| + wd ||w|| instead); the
+    clip and the momentum, lr outside the buffer, as solo-learn's lars.py lines 145-165 and torch's
+    SGD. A group with adapt=False takes plain SGD steps (r = 1): see optimizer_groups."""
+
+    def __init__(self, params, lr, momentum=0.9, weight_decay=0.0, eta=0.001, clip=False):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                      eta=eta, clip=clip, adapt=True))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for w in (w for w in group["params"] if w.grad is not None):
+                g = w.grad.add(w, alpha=group["weight_decay"])
+                r = torch.ones((), device=w.device)
+                if group["adapt"]:  # tensors, not Python floats: no wait for the device
+                    w_norm, g_norm = torch.linalg.vector_norm(w), torch.linalg.vector_norm(g)
+                    trust = group["eta"] * w_norm / g_norm
+                    if group["clip"]:
+                        trust = (trust / group["lr"]).clamp(max=1)
+                    r = torch.where((w_norm > 0) & (g_norm > 0), trust, r)
+                buf = self.state[w].setdefault("momentum_buffer", torch.zeros_like(w))
+                buf.mul_(group["momentum"]).add_(r * g)
+                w.add_(buf, alpha=-group["lr"])
+
+
+def optimizer_groups(groups, lars):
+    """Parameters (or param-group dicts) -> param groups. For LARS, each group's batch-norm and bias
+    parameters (the 1-D tensors) go into a group of their own without weight decay or trust ratio,
+    as SimCLR (tf2/model.py lines 36-41: exclude_from_weight_decay=['batch_normalization', 'bias'],
+    also for the adaptation) and solo-learn (lars.py line 140, exclude_bias_n_norm) do."""
+    groups = list(groups)
+    groups = groups if isinstance(groups[0], dict) else [{"params": groups}]
+    if not lars:
+        return groups
+    split = []
+    for group in groups:
+        params = list(group["params"])
+        split.append({**group, "params": [p for p in params if p.ndim > 1]})
+        split.append({**group, "params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0,
+                      "adapt": False})
+    return [group for group in split if group["params"]]
+
+
+def pretraining_optimizer(groups, args, ctx, lr):
+    """--optimizer: SGD momentum 0.9 with weight decay on every parameter (as the authors' SGD
+    runs), or LARS (--lars-eta, --lars-clip) without it on batch-norm and bias parameters."""
+    if args.optimizer == "lars":
+        return LARS(optimizer_groups(groups, lars=True), lr, 0.9, args.wd, args.lars_eta,
+                    args.lars_clip)
+    return torch.optim.SGD(optimizer_groups(groups, lars=False), lr=lr, momentum=0.9,
+                           weight_decay=args.wd, fused=ctx.device.type == "cuda")
+
+
 # ------------------------------------------------------------------------------ evaluation
 @torch.no_grad()
 def extract_features(backbone, split, data, ctx, workers=0, unit=True):
@@ -746,9 +820,49 @@ def knn_accuracy(train_f, train_y, test_f, test_y, num_classes, k=200, t=0.1, ct
     return 100.0 * all_reduce_sum(correct).item() / int((test_y >= 0).sum())
 
 
-def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed=0, batch=256):
-    """A linear classifier on frozen features standardised with the training set's mean and std,
-    AdamW + cosine -> test top-1 %. Every rank computes the same from the same features."""
+def linear_classifier(dim, classes, device, seed, std=None):
+    """nn.Linear(dim, classes) drawn from its own generator, never from torch's global RNG (a draw
+    there would shift every later one of the run): weight N(0, std) and bias 0 (std 0.01: MoCo's
+    and SimSiam's main_lincls.py), or without `std` torch's default U(+-1/sqrt(dim)) for both."""
+    with torch.device("meta"):  # built without its initial draw
+        layer = nn.Linear(dim, classes)
+    layer, generator = layer.to_empty(device="cpu"), torch.Generator().manual_seed(seed)
+    if std is None:
+        nn.init.uniform_(layer.weight, -dim ** -0.5, dim ** -0.5, generator=generator)
+        nn.init.uniform_(layer.bias, -dim ** -0.5, dim ** -0.5, generator=generator)
+    else:
+        nn.init.normal_(layer.weight, 0.0, std, generator=generator)
+        nn.init.zeros_(layer.bias)
+    return layer.to(device)
+
+
+# The final probe's protocols (--linear-protocol), each on the frozen backbone: optimiser, lr per
+# 256 images, epochs, batch, schedule. The authors' three use no weight decay, momentum 0.9.
+LINEAR_PROTOCOLS = {
+    "fixed": dict(optimizer="adamw", lr=1e-3, epochs=100, batch=256),  # this project's own probe
+    # GSG Sec. 5.1 "Linear evaluation" (CIFAR-10): batch 256, SGD momentum 0.9, lr 30, cosine, 90
+    # epochs; crop+flip views and no weight decay as its code base's main_lincls.py (below)
+    "gsg-cifar": dict(optimizer="sgd", lr=30.0, epochs=90, batch=256, schedule="cosine"),
+    # facebookresearch/moco main_lincls.py: --lr 30, -b 256, --epochs 100, --schedule 60 80, wd 0
+    "moco": dict(optimizer="sgd", lr=30.0, epochs=100, batch=256, schedule="steps"),
+    # facebookresearch/simsiam main_lincls.py --lars, as bych-lee/gsg's: apex LARC (trust 0.001, no
+    # clip, weight and bias alike), --lr 0.1 per 256, -b 4096, --epochs 90, wd 0, cosine per epoch
+    "simsiam-imagenet": dict(optimizer="lars", lr=0.1, epochs=90, batch=4096, schedule="cosine"),
+}
+
+
+def protocol_settings(protocol, epochs=None, lr=None, batch=None):
+    """(epochs, lr per 256 images, batch) of a LINEAR_PROTOCOLS entry, each replaced where given."""
+    own = LINEAR_PROTOCOLS[protocol]
+    return tuple(own[k] if v is None else v for k, v in zip(("epochs", "lr", "batch"),
+                                                            (epochs, lr, batch)))
+
+
+def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed=0, batch=256,
+                 lr=1e-3):
+    """The `fixed` protocol, this project's own: a linear classifier on frozen features
+    standardised with the training set's mean and std, AdamW (lr per 256 images) + cosine -> test
+    top-1 %. Every rank computes the same from the same features."""
     rows, test_rows = (train_y >= 0).nonzero()[:, 0], (test_y >= 0).nonzero()[:, 0]
     total = 0
     for r in rows.split(65536):  # in chunks: no float32 copy of a float16 bank
@@ -758,7 +872,8 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed
     std = (total[1] / len(rows) - mean ** 2).clamp_min(0).sqrt() + 1e-6
     classifier = nn.Linear(train_f.shape[1], num_classes).to(train_f.device)
     nn.init.zeros_(classifier.weight)  # a convex problem: a zero start, no random draw
-    optimizer = torch.optim.AdamW(classifier.parameters(), lr=1e-3, weight_decay=5e-4)
+    nn.init.zeros_(classifier.bias)
+    optimizer = torch.optim.AdamW(classifier.parameters(), lr=lr * batch / 256, weight_decay=5e-4)
     steps = epochs * -(-len(rows) // batch)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
     generator = torch.Generator(device=train_f.device).manual_seed(seed)
@@ -776,23 +891,42 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed
     return 100.0 * correct / len(test_rows)
 
 
-def linear_probe_augmented(backbone, data, ctx, epochs=90, lr=30.0, seed=0, batch=256):
-    """The probe of MoCo's and SimSiam's main_lincls.py, which GSG uses: a linear layer on the
-    frozen backbone, trained on crop+flip views, SGD momentum 0.9, no weight decay, cosine."""
-    images, labels = data.eval_train  # labelled: batches drawn as pre-training draws its own
-    batch = max(1, batch // ctx.world) * ctx.world  # a multiple of the processes
+def linear_probe_augmented(backbone, data, ctx, protocol="gsg-cifar", epochs=None, lr=None,
+                           batch=None, seed=0, workers=0):
+    """An authors' probe (LINEAR_PROTOCOLS; epochs, lr, batch: the protocol's unless given): a
+    linear layer on the frozen backbone (eval mode, no gradient) trained on RandomResizedCrop +
+    flip views of the labelled training split, momentum 0.9, no weight decay, the lr set per epoch;
+    weight N(0, 0.01), bias 0 -> test top-1 %. A streamed image folder is decoded and cropped in
+    DataLoader workers, as pre-training's views are."""
+    own, (epochs, lr, batch) = LINEAR_PROTOCOLS[protocol], protocol_settings(protocol, epochs, lr,
+                                                                               batch)
+    if data.streaming:  # one random crop and flip per image, by the workers
+        samples = data.eval_train.samples
+        images = ImageFiles(samples, data.image_size, crops=1, scale=(0.08, 1.0))
+        labels = torch.tensor([y for _, y in samples], device=ctx.device)
+    else:
+        images, labels = data.eval_train  # labelled: batches drawn as pre-training draws its own
     probe_set = replace(data, train=images, train_labels=labels)
-    backbone.eval()
-    classifier = nn.Linear(backbone.out_dim, data.num_classes).to(ctx.device)
-    nn.init.zeros_(classifier.weight)
-    optimizer = torch.optim.SGD(classifier.parameters(), lr=lr * batch / 256, momentum=0.9)
-    steps = max(1, epochs * (len(labels) // batch))
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    batch = max(1, min(batch, len(labels)) // ctx.world) * ctx.world  # a multiple of the processes
+    peak = lr * batch / 256
+    classifier = linear_classifier(backbone.out_dim, data.num_classes, ctx.device, seed, std=0.01)
+    if own["optimizer"] == "lars":
+        optimizer = LARS(classifier.parameters(), peak, momentum=0.9, eta=0.001)
+    else:
+        optimizer = torch.optim.SGD(classifier.parameters(), lr=peak, momentum=0.9)
     augment = Augment([Recipe(jitter=(0, 0, 0, 0), gray_p=0)], data.image_size, data.mean,
-                      data.std, ctx)
+                      data.std, ctx)  # held images: crop + flip here; streamed: normalise only
+    was_training = backbone.training
+    backbone.eval()  # frozen: BatchNorm normalises with, and keeps, its running statistics
     for epoch in range(epochs):
+        if own["schedule"] == "cosine":  # per epoch, as main_lincls.py's adjust_learning_rate
+            lr = peak * 0.5 * (1 + math.cos(math.pi * epoch / epochs))
+        else:  # MoCo: x0.1 at epochs 60 and 80 of 100 (here at 60% and 80% of the epochs)
+            lr = peak * 0.1 ** sum(epoch >= share * epochs for share in (0.6, 0.8))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         order, generator = epoch_generators(seed + 1, epoch, ctx.device)
-        for x, y in train_batches(probe_set, batch, order, ctx):
+        for x, y in train_batches(probe_set, batch, order, ctx, workers):
             views = augment(x, generator)[0]  # in float32, as in pre-training
             with torch.no_grad(), ctx.autocast():
                 features = backbone(views)
@@ -802,30 +936,88 @@ def linear_probe_augmented(backbone, data, ctx, epochs=90, lr=30.0, seed=0, batc
             for p in classifier.parameters():  # the mean gradient over the global batch
                 p.grad = all_reduce_sum(p.grad) / ctx.world
             optimizer.step()
-            schedule.step()
-    test_f, test_y = extract_features(backbone, data.eval_test, data, ctx, unit=False)
+    backbone.train(was_training)
+    test_f, test_y = extract_features(backbone, data.eval_test, data, ctx, workers, unit=False)
     with torch.no_grad():  # features as in training: bf16 backbone, float32 classifier
         correct = (classifier(test_f.float()).argmax(1) == test_y).sum()
     return 100.0 * int(correct) / int((test_y >= 0).sum())
 
 
-def evaluate(backbone, data, ctx, args, final=False):
-    """kNN top-1 (k = --knn-k); with `final` also k=1 and the linear probe (--linear-epochs)."""
+class OnlineProbe:
+    """solo-learn's online linear classifier, as the dual-temperature authors' code trains it
+    (ChaoningZhang/Dual-temperature solo/methods/base.py lines 246, 335-343, 424-447): nn.Linear on
+    the detached backbone features of each training view, cross-entropy without the unlabelled
+    (-1), SGD momentum 0.9 (solo/args/utils.py line 204), lr 0.3 whatever the batch (bash_files/
+    *.sh --classifier_lr; utils.py line 212 scales only --lr), no weight decay, the pre-training's
+    warm-up and cosine. A forward hook on the backbone keeps the outputs of the training passes
+    (train mode, gradient on), so the step computes what it computes without the probe, and no
+    second backbone pass runs. Its gradient is the mean over the global batch's labelled views."""
+
+    def __init__(self, backbone, num_classes, ctx, seed, lr=0.3):
+        self.lr, self.features = lr, []
+        self.classifier = linear_classifier(backbone.out_dim, num_classes, ctx.device, seed)
+        self.optimizer = torch.optim.SGD(self.classifier.parameters(), lr=lr, momentum=0.9)
+        backbone.register_forward_hook(self.keep)
+
+    def keep(self, backbone, inputs, output):
+        if backbone.training and torch.is_grad_enabled():  # not evaluation's, nor a target's
+            self.features.append(output.detach())
+
+    def step(self, labels, lr_scale):
+        """One SGD step on the views kept since the last: labels (b,) of this rank's images, which
+        each view repeats in order; lr_scale: the pre-training's lr over its peak."""
+        features, self.features = float32(torch.cat(self.features)), []  # (V * b, F)
+        y = labels.repeat(len(features) // len(labels))  # (V * b,)
+        labelled = all_reduce_sum((y >= 0).sum()).clamp_min(1)  # over every rank's views
+        loss = F.cross_entropy(self.classifier(features), y, ignore_index=-1, reduction="sum")
+        self.optimizer.zero_grad(set_to_none=True)
+        (loss / labelled).backward()
+        for p in self.classifier.parameters():  # each rank's share of the global mean
+            p.grad = all_reduce_sum(p.grad)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr * lr_scale
+        self.optimizer.step()
+
+    @torch.no_grad()
+    def accuracy(self, backbone, data, ctx, workers=0):
+        """Top-1 % on the test split, un-augmented, the backbone in eval mode (solo-learn's
+        validation step)."""
+        test_f, test_y = extract_features(backbone, data.eval_test, data, ctx, workers, unit=False)
+        correct = (self.classifier(float32(test_f)).argmax(1) == test_y).sum()
+        return 100.0 * int(correct) / int((test_y >= 0).sum())
+
+    def state_dict(self):  # for checkpoint.pt
+        return {"classifier": self.classifier.state_dict(),
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state):
+        self.classifier.load_state_dict(state["classifier"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def evaluate(backbone, data, ctx, args, final=False, probe=None):
+    """kNN top-1 (k = --knn-k) and the online `probe`'s top-1; with `final` also k=1 and the
+    final linear probe (--linear-protocol, 0 --linear-epochs: none)."""
     train_f, train_y = extract_features(backbone, data.eval_train, data, ctx, args.workers)
     test_f, test_y = extract_features(backbone, data.eval_test, data, ctx, args.workers)
     knn = lambda k: knn_accuracy(train_f, train_y, test_f, test_y, data.num_classes, k,  # noqa
                                  args.knn_t, ctx)
     result = {"knn_top1": knn(args.knn_k)}
+    if probe is not None:
+        result["online_top1"] = probe.accuracy(backbone, data, ctx, args.workers)
     if final:
         result.update(knn_k=args.knn_k, knn_k1_top1=knn(1))
-        if args.linear_epochs and args.linear_aug:
-            result["linear_top1"] = linear_probe_augmented(backbone, data, ctx, args.linear_epochs,
-                                                           args.linear_lr, args.seed)
-            result["linear_protocol"] = "augmented SGD"
-        elif args.linear_epochs:
+        epochs, lr, batch = protocol_settings(args.linear_protocol, args.linear_epochs,
+                                              args.linear_lr, args.linear_batch)
+        if epochs and args.linear_protocol == "fixed":
             result["linear_top1"] = linear_probe(train_f, train_y, test_f, test_y,
-                                                 data.num_classes, args.linear_epochs, args.seed)
-            result["linear_protocol"] = "fixed features AdamW"
+                                                 data.num_classes, epochs, args.seed, batch, lr)
+        elif epochs:
+            result["linear_top1"] = linear_probe_augmented(
+                backbone, data, ctx, args.linear_protocol, epochs, lr, batch, args.seed,
+                args.workers)
+        if epochs:
+            result["linear_protocol"] = args.linear_protocol
     return result
 
 

@@ -55,9 +55,10 @@ def parse_args(argv=None):
     # DT paper, "Training" paragraph, and official bash_files/*.sh: --batch_size 256,
     # --max_epochs 200, --lr 0.03 (per 256: solo/args/utils.py scales it by batch / 256),
     # --weight_decay 5e-4; 10 warm-up epochs: the paper and solo/methods/base.py --warmup_epochs;
-    # crop area from 0.08: solo/args/dataset.py --min_scale default
+    # crop area from 0.08: solo/args/dataset.py --min_scale default. The online probe: the DT
+    # paper's "Evaluation" paragraph reports "top-1 accuracy ... with the online linear evaluation"
     parser.set_defaults(batch_size=256, epochs=200, lr=0.03, wd=5e-4, warmup_epochs=10,
-                        crop_scale=(0.08, 1.0))
+                        crop_scale=(0.08, 1.0), online_probe=True)
     args = common.parse_args(parser, argv, "moco_simmoco_simco")
     if args.tau_beta is None:  # MoCo v2 is plain InfoNCE unless --tau-beta asks for it
         args.tau_beta = args.tau_alpha if args.method == "mocov2" else 1.0
@@ -257,9 +258,11 @@ def main(argv=None):
     if args.compile:
         net = common.compile_model(net, ctx)
     peak_lr = args.lr * args.batch_size / 256
-    optimizer = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=0.9, weight_decay=args.wd,
-                                fused=ctx.device.type == "cuda")
-    states = {"model": model, "optimizer": optimizer, "key_encoder": key_encoder, "queues": queues}
+    optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, peak_lr)
+    probe = common.OnlineProbe(model.backbone, data.num_classes, ctx, args.seed) \
+        if args.online_probe else None  # reads the backbone's training passes
+    states = {"model": model, "optimizer": optimizer, "key_encoder": key_encoder, "queues": queues,
+              "online_probe": probe}
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
     common.start_run(args, ctx, "moco_simmoco_simco")
     augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
@@ -270,7 +273,7 @@ def main(argv=None):
         order, generator = common.epoch_generators(args.seed, epoch, ctx.device)
         meter = common.EpochMeter(ctx, epoch, args.epochs, steps, args.batch_size)
         batches = common.train_batches(data, args.batch_size, order, ctx, args.workers)
-        for step, (images, _) in enumerate(batches):
+        for step, (images, labels) in enumerate(batches):
             lr = common.learning_rate(epoch * steps + step, args.epochs * steps,
                                       args.warmup_epochs * steps, peak_lr)
             for group in optimizer.param_groups:
@@ -278,18 +281,21 @@ def main(argv=None):
             views = augment(images, generator)
             loss, (w_alpha, w_beta, entropy) = train_step(net, optimizer, views, args, ctx,
                                                           key_encoder, queues)
+            if probe is not None:  # the views' features this step kept
+                probe.step(labels, lr / peak_lr)
             # DT Fig. 3 / Eq. 4: the anchors' weights and how unequal they are
             meter.update(lr, loss=loss, w_alpha=w_alpha, w_beta=w_beta, r_plus_entropy=entropy)
         record = meter.summary()
         common.check_finite(record)
         if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
-            record.update(common.evaluate(model.backbone, data, ctx, args))
+            record.update(common.evaluate(model.backbone, data, ctx, args, probe=probe))
         common.log_epoch(ctx, record)
         common.save_checkpoint(ctx, epoch + 1, states)
         if args.stop_after == epoch + 1 < args.epochs:
             return ctx.print(f"stopped after epoch {epoch + 1}: continue with --resume {ctx.out}")
 
-    common.finish(ctx, model.backbone, common.evaluate(model.backbone, data, ctx, args, final=True))
+    results = common.evaluate(model.backbone, data, ctx, args, final=True, probe=probe)
+    common.finish(ctx, model.backbone, results)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ up-weights hard positive pairs.
 """
 import argparse
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -28,14 +29,13 @@ def parse_args(argv=None):
     common.add_common_args(parser)
     parser.add_argument("--loss", choices=["infonce", "dcl", "dclw"], default="dcl",
                         help="infonce = NNCLR, dcl = NNCLR + DCL (Prop. 2), dclw = vMF-weighted")
-    # tau 0.1 (as simclr_dcl.py) and 16384 rows (a third of CIFAR's 50k images, so no row is older
-    # than a third of an epoch): this project's choices; solo-learn's CIFAR NNCLR
-    # (scripts/pretrain/cifar/nnclr.yaml) uses tau 0.2 and 65536 rows. sigma 0.5: lightly's
-    # DCLWLoss default (lightly/loss/dcl_loss.py, third-party)
-    parser.add_argument("--temperature", type=common.positive_float, default=0.1, help="tau")
+    # solo-learn's CIFAR NNCLR, scripts/pretrain/cifar/nnclr.yaml line 19 (temperature 0.2)
+    parser.add_argument("--temperature", type=common.positive_float, default=0.2, help="tau")
+    # sigma 0.5: lightly's DCLWLoss default (lightly/loss/dcl_loss.py, third-party)
     parser.add_argument("--sigma", type=common.positive_float, default=0.5,
                         help="DCLW weight temperature")
-    parser.add_argument("--support-size", type=common.positive_int, default=16384,
+    # nnclr.yaml line 23 (queue_size 65536)
+    parser.add_argument("--support-size", type=common.positive_int, default=65536,
                         help="support set Q: past projections the nearest neighbour is searched in")
     # head widths: solo-learn's NNCLR (solo/methods/nnclr.py defaults, its CIFAR config too)
     parser.add_argument("--proj-hidden", type=common.positive_int, default=2048,
@@ -44,10 +44,13 @@ def parse_args(argv=None):
                         help="projection dimension D")
     parser.add_argument("--pred-hidden", type=common.positive_int, default=4096,
                         help="predictor hidden width")
-    # This project's choice, the same as simclr_dcl.py's: the DCL paper gives no CIFAR settings
-    # for NNCLR + DCL. Batch 256, SGD lr 0.06 per 256, wd 5e-4, 200 cosine epochs, 10 warm-up.
-    parser.set_defaults(batch_size=256, epochs=200, lr=0.06, wd=5e-4, warmup_epochs=10,
-                        crop_scale=(0.08, 1.0))
+    # solo-learn's CIFAR NNCLR (the DCL paper gives no CIFAR settings for NNCLR + DCL), nnclr.yaml:
+    # batch 256 (line 32); LARS (31), eta 0.02, clip_lr, bias and norms excluded (36-39); lr 0.4
+    # (33) per 256 (solo/args/pretrain.py lines 153-154 scale it by batch / 256); weight decay 1e-5
+    # (35); warmup_cosine (41), 10 warm-up epochs per step (solo/methods/base.py lines 293-294);
+    # 1000 epochs (50). Crop scale (0.08, 1): augmentations/asymmetric.yaml lines 3-4.
+    parser.set_defaults(batch_size=256, epochs=1000, lr=0.4, wd=1e-5, warmup_epochs=10,
+                        crop_scale=(0.08, 1.0), optimizer="lars", lars_eta=0.02, lars_clip=True)
     return common.parse_args(parser, argv, "nnclr_dcl")
 
 
@@ -208,12 +211,13 @@ def train_step(net, optimizer, views, args, ctx, labels, support_set):
 
 
 def recipes(args):
-    """NNCLR uses BYOL's augmentations. At <= 64 px (CIFAR) both views get SimCLR's crop, flip and
-    colour, no blur or solarisation; larger images get BYOL's asymmetric blur and solarisation."""
-    if args.image_size <= 64:
-        return [common.Recipe(crop_scale=tuple(args.crop_scale))] * 2
-    return [common.Recipe(crop_scale=tuple(args.crop_scale), blur_p=1.0),
-            common.Recipe(crop_scale=tuple(args.crop_scale), blur_p=0.1, solarize_p=0.2)]
+    """solo-learn's asymmetric views for NNCLR (BYOL's): jitter (0.4, 0.4, 0.2, 0.1) p 0.8,
+    grayscale p 0.2, flip p 0.5 in both; solarisation p 0.2 in the second view only; blur only
+    above 64 px, p 1.0 and 0.1 (scripts/pretrain/cifar/augmentations/asymmetric.yaml: lines 5-20,
+    24-39, gaussian_blur 0.0; imagenet-100/augmentations/asymmetric.yaml: blur 1.0 and 0.1)."""
+    view = common.Recipe(crop_scale=tuple(args.crop_scale), jitter=(0.4, 0.4, 0.2, 0.1))
+    blur = (1.0, 0.1) if args.image_size > 64 else (0.0, 0.0)
+    return [replace(view, blur_p=blur[0]), replace(view, blur_p=blur[1], solarize_p=0.2)]
 
 
 # ------------------------------------------------------------------------------ main loop
@@ -233,10 +237,12 @@ def main(argv=None):
     if args.compile:
         net = common.compile_model(net, ctx)
     peak_lr = args.lr * args.batch_size / 256
-    optimizer = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=0.9, weight_decay=args.wd,
-                                fused=ctx.device.type == "cuda")
+    optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, peak_lr)
     support_set = SupportSet(args.support_size, args.proj_dim, args.seed).to(ctx.device)
-    states = {"model": model, "optimizer": optimizer, "support_set": support_set}
+    probe = common.OnlineProbe(model.backbone, data.num_classes, ctx, args.seed) \
+        if args.online_probe else None  # reads the backbone's training passes
+    states = {"model": model, "optimizer": optimizer, "support_set": support_set,
+              "online_probe": probe}
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
     common.start_run(args, ctx, "nnclr_dcl")
     augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
@@ -255,6 +261,8 @@ def main(argv=None):
             views = augment(images, generator)
             loss, same_class, labelled = train_step(net, optimizer, views, args, ctx, labels,
                                                     support_set)
+            if probe is not None:  # the views' features this step kept
+                probe.step(labels, lr / peak_lr)
             meter.update(lr, loss=loss, same_class=same_class, labelled=labelled)
         record = meter.summary()
         common.check_finite(record)
@@ -262,13 +270,14 @@ def main(argv=None):
         same_class, labelled = record.pop("same_class"), record.pop("labelled")
         record["nn_same_class"] = same_class / labelled if labelled > 0 else None
         if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
-            record.update(common.evaluate(model.backbone, data, ctx, args))
+            record.update(common.evaluate(model.backbone, data, ctx, args, probe=probe))
         common.log_epoch(ctx, record)
         common.save_checkpoint(ctx, epoch + 1, states)
         if args.stop_after == epoch + 1 < args.epochs:
             return ctx.print(f"stopped after epoch {epoch + 1}: continue with --resume {ctx.out}")
 
-    common.finish(ctx, model.backbone, common.evaluate(model.backbone, data, ctx, args, final=True))
+    results = common.evaluate(model.backbone, data, ctx, args, final=True, probe=probe)
+    common.finish(ctx, model.backbone, results)
 
 
 if __name__ == "__main__":

@@ -169,9 +169,10 @@ def main(argv=None):
     if args.compile:
         net = common.compile_model(net, ctx)
     peak_lr = args.lr * args.batch_size / 256
-    optimizer = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=0.9, weight_decay=args.wd,
-                                fused=ctx.device.type == "cuda")
-    states = {"model": model, "optimizer": optimizer}  # what checkpoint.pt holds
+    optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, peak_lr)
+    probe = common.OnlineProbe(model.backbone, data.num_classes, ctx, args.seed) \
+        if args.online_probe else None  # reads the backbone's training passes
+    states = {"model": model, "optimizer": optimizer, "online_probe": probe}  # checkpoint.pt
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
     common.start_run(args, ctx, "simclr_dcl")
     augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
@@ -182,13 +183,15 @@ def main(argv=None):
         order, generator = common.epoch_generators(args.seed, epoch, ctx.device)
         meter = common.EpochMeter(ctx, epoch, args.epochs, steps, args.batch_size)
         batches = common.train_batches(data, args.batch_size, order, ctx, args.workers)
-        for step, (images, _) in enumerate(batches):
+        for step, (images, labels) in enumerate(batches):
             lr = common.learning_rate(epoch * steps + step, args.epochs * steps,
                                       args.warmup_epochs * steps, peak_lr)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             views = augment(images, generator)
             loss, q = train_step(net, optimizer, views, args, ctx)
+            if probe is not None:  # the views' features this step kept
+                probe.step(labels, lr / peak_lr)
             meter.update(lr, loss=loss, npc_mean=q.mean(), npc_sq=(q * q).mean())
         record = meter.summary()
         common.check_finite(record)
@@ -196,13 +199,14 @@ def main(argv=None):
         npc_sq = record.pop("npc_sq")
         record["npc_cv"] = math.sqrt(max(npc_sq - record["npc_mean"] ** 2, 0)) / record["npc_mean"]
         if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
-            record.update(common.evaluate(model.backbone, data, ctx, args))
+            record.update(common.evaluate(model.backbone, data, ctx, args, probe=probe))
         common.log_epoch(ctx, record)
         common.save_checkpoint(ctx, epoch + 1, states)
         if args.stop_after == epoch + 1 < args.epochs:
             return ctx.print(f"stopped after epoch {epoch + 1}: continue with --resume {ctx.out}")
 
-    common.finish(ctx, model.backbone, common.evaluate(model.backbone, data, ctx, args, final=True))
+    results = common.evaluate(model.backbone, data, ctx, args, final=True, probe=probe)
+    common.finish(ctx, model.backbone, results)
 
 
 if __name__ == "__main__":

@@ -250,9 +250,10 @@ def main(argv=None):
     # --fix-pred-lr: the predictor's group keeps peak_lr (facebookresearch/simsiam main_simsiam.py)
     groups = [{"params": model.encoder.parameters(), "fix_lr": False},
               {"params": model.predictor.parameters(), "fix_lr": args.fix_pred_lr}]
-    optimizer = torch.optim.SGD(groups, lr=peak_lr, momentum=0.9, weight_decay=args.wd,
-                                fused=ctx.device.type == "cuda")
-    states = {"model": model, "optimizer": optimizer, "target": target}
+    optimizer = common.pretraining_optimizer(groups, args, ctx, peak_lr)
+    probe = common.OnlineProbe(model.encoder.backbone, data.num_classes, ctx, args.seed) \
+        if args.online_probe else None  # reads the backbone's training passes
+    states = {"model": model, "optimizer": optimizer, "target": target, "online_probe": probe}
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
     common.start_run(args, ctx, "simsiam_byol_gsg")
     augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
@@ -264,7 +265,7 @@ def main(argv=None):
         order, generator = common.epoch_generators(args.seed, epoch, ctx.device)
         meter = common.EpochMeter(ctx, epoch, args.epochs, steps, args.batch_size)
         batches = common.train_batches(data, args.batch_size, order, ctx, args.workers)
-        for step, (images, _) in enumerate(batches):
+        for step, (images, labels) in enumerate(batches):
             global_step = epoch * steps + step
             lr = common.learning_rate(global_step, total_steps, args.warmup_epochs * steps,
                                       peak_lr, args.schedule)
@@ -275,6 +276,8 @@ def main(argv=None):
             tau = ema_momentum(global_step, total_steps, args.ema, args.ema_schedule)
             loss, case, proj_std = train_step(net, optimizer, views, args, ctx, pairing=pairing,
                                               target=target, online=model.encoder, tau=tau)
+            if probe is not None:  # the views' features this step kept
+                probe.step(labels, lr / peak_lr)
             scalars = {"loss": loss, "proj_std": proj_std}
             if case is not None:  # how often each distance was the guide (Eq. 5)
                 counts = F.one_hot(case, 4).float().mean(0)  # (4,); bincount would sync the host
@@ -285,14 +288,15 @@ def main(argv=None):
         if target is not None:
             record["ema"] = tau
         if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
-            record.update(common.evaluate(model.encoder.backbone, data, ctx, args))
+            record.update(common.evaluate(model.encoder.backbone, data, ctx, args, probe=probe))
         common.log_epoch(ctx, record)
         common.save_checkpoint(ctx, epoch + 1, states)
         if args.stop_after == epoch + 1 < args.epochs:
             return ctx.print(f"stopped after epoch {epoch + 1}: continue with --resume {ctx.out}")
 
     backbone = model.encoder.backbone
-    common.finish(ctx, backbone, common.evaluate(backbone, data, ctx, args, final=True))
+    results = common.evaluate(backbone, data, ctx, args, final=True, probe=probe)
+    common.finish(ctx, backbone, results)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,9 @@ def parse_args(argv=None):
     a("--steps", type=int, default=10, help="timed steps per method (after --warmup)")
     a("--warmup", type=int, default=None, help="untimed steps first (default 2, 5 with --compile)")
     a("--compile", action="store_true", help="pass --compile to the method files")
+    a("--online-probe", action=argparse.BooleanOptionalAction,
+      help="pass --online-probe / --no-online-probe (default: each file's own); the step rows "
+           "say the probe's share of the step")
     a("--no-amp", action="store_true", help="CUDA: float32 instead of bf16 autocast")
     a("--aug-batch", type=int, default=1024, help="images per call of the batched augmentation")
     a("--aug-image-size", type=int, default=32, help="augmentation rows: image side (CIFAR: 32)")
@@ -310,11 +313,23 @@ def measure_step(name, args, out):
             "--out", os.path.join(out, name), "--linear-epochs", "0"]
     argv += ["--batch-size", str(args.batch_size)] if args.batch_size else []
     argv += ["--compile"] if args.compile else []
+    argv += [] if args.online_probe is None else [
+        "--online-probe" if args.online_probe else "--no-online-probe"]
     argv += ["--no-amp"] if args.no_amp else []
     batch = mod.parse_args(argv).batch_size
     n = (args.warmup + args.steps + 1) * batch  # one epoch holds every step main() takes
     probe = StepProbe(mod, args.warmup, args.steps)
+    online_seconds, online_step = [0.0], common.OnlineProbe.step
+
+    def timed_online_step(self, *a, **k):  # the online probe's share of the timed steps
+        sync(probe.ctx.device)
+        start = time.perf_counter()
+        online_step(self, *a, **k)
+        sync(probe.ctx.device)
+        if args.warmup < probe.calls <= args.warmup + args.steps:  # after a timed train_step
+            online_seconds[0] += time.perf_counter() - start
     with contextlib.ExitStack() as stack:  # main() calls these through module attributes
+        stack.enter_context(replaced(common.OnlineProbe, "step", timed_online_step))
         stack.enter_context(replaced(common, "load_data", lambda a, ctx, crops=2: synthetic_data(
             n, args.step_image_size, ctx.device)))
         stack.enter_context(replaced(mod, "train_step", probe.step))
@@ -336,6 +351,8 @@ def measure_step(name, args, out):
     loss = best_time(probe.loss_step, device, args.reps)
     what = (f"{name} ({args.arch} w{args.width}, {args.step_image_size} px, "
             f"{probe.views} views)")
+    if online_seconds[0]:
+        what += f", online probe {100 * online_seconds[0] / args.steps / probe.seconds:.2f}%"
     return row("step", what, probe.batch, f"{probe.batch / probe.seconds:,.1f} img/s",
                f"{probe.batch / bare:,.1f} img/s (bare)", f"{bare / probe.seconds:.2f}", "",
                f"{100 * loss / probe.seconds:.2f}%", memory)

@@ -423,10 +423,11 @@ def test_infonce_run_in_process(tiny_folder, tmp_path):
 
 def test_smoke_python_and_torchrun_agree(tiny_folder, tmp_path):
     """The acceptance run with --loss dclw, as `python` and as `torchrun --nproc_per_node=2`: both
-    write the run folder with the neighbour diagnostic, and take the same steps. (One epoch: in
-    float32 the tiny width-8 network amplifies rounding differences through the support set from
-    step to step; exact equality is the float64 test above.)"""
-    args = lambda out: tiny_run(tiny_folder, out, "--loss", "dclw")
+    write the run folder with the neighbour diagnostic, and take the same steps. (One epoch of 2
+    steps: in float32 the tiny width-8 network amplifies rounding differences through the support
+    set from step to step, a neighbour flips, and by the third LARS step the losses differ by 1%;
+    exact equality is the float64 test above.)"""
+    args = lambda out: tiny_run(tiny_folder, out, "--loss", "dclw", "--limit-train", "32")
     one = run_script("nnclr_dcl.py", args(tmp_path / "one"))
     assert one.returncode == 0, one.stderr[-3000:]
     two = run_script("nnclr_dcl.py", args(tmp_path / "two"), nproc=2)
@@ -441,5 +442,5 @@ def test_smoke_python_and_torchrun_agree(tiny_folder, tmp_path):
     assert config["args"]["support_size"] == 40
     s1 = torch.load(tmp_path / "one" / "checkpoint.pt")["support_set"]
     s2 = torch.load(tmp_path / "two" / "checkpoint.pt")["support_set"]
-    assert s1["ptr"] == s2["ptr"] == 64 % 40 and torch.equal(s1["labels"], s2["labels"])
+    assert s1["ptr"] == s2["ptr"] == 32 and torch.equal(s1["labels"], s2["labels"])
     assert torch.allclose(s1["rows"], s2["rows"], atol=1e-3)

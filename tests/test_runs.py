@@ -99,13 +99,14 @@ def test_a_finished_run_is_evaluated_again_beside_its_results(tiny_folder, tmp_p
     simclr_dcl.main(smoke_args(tiny_folder, tmp_path))
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     simclr_dcl.main(
-        ["--resume", str(tmp_path), "--linear-aug", "--linear-epochs", "1", "--knn-k", "5"]
+        ["--resume", str(tmp_path), "--linear-protocol", "gsg-cifar", "--linear-epochs", "1",
+         "--knn-k", "5"]
     )
     new = sorted(set(p.name for p in tmp_path.iterdir()) - set(before))
     assert len(new) == 1 and new[0].startswith("eval-") and new[0].endswith(".json")
     again = json.load(open(tmp_path / new[0]))
     first = json.load(open(tmp_path / "results.json"))
-    assert again["linear_protocol"] == "augmented SGD" != first["linear_protocol"]
+    assert again["linear_protocol"] == "gsg-cifar" != first["linear_protocol"] == "fixed"
     assert again["knn_k"] == 5 and first["knn_k"] == 200
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name in before} == before
 

@@ -1,0 +1,228 @@
+"""LARS against its formula, the final linear protocols (frozen backbone, streamed image folders)
+and the online probe (no change to pre-training), each also across 2 processes."""
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+import common
+import moco_simmoco_simco
+import simclr_dcl
+import simsiam_byol_gsg
+from helpers import float64, run_distributed, smoke_args
+from test_runs import flat_tensors
+
+CPU = torch.device("cpu")
+
+
+def ctx_for(rank, world):
+    return common.Context(rank, world, 0, CPU, out="", amp=False)
+
+
+# ------------------------------------------------------------------------------ LARS
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_lars_takes_the_formulas_step_tensor_by_tensor(float64, clip):
+    """Three LARS steps (lr 0.5, 0.05, 0.005 as a schedule would set them) equal, per tensor,
+        g' = g + wd w,  r = eta ||w|| / ||g'|| (1 where ||w|| = 0),  clip: r = min(r / lr, 1),
+        buf <- m buf + r g',  w <- w - lr buf,
+    and the 1-D tensors (bias, BatchNorm) that optimizer_groups sets apart take plain SGD steps
+    without weight decay (r = 1). With clip, r / lr passes 1 for some tensors and not others."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, 3, bias=False))
+    nn.init.zeros_(model[2].weight)  # ||w|| = 0 at the first step: r = 1
+    m, wd, eta = 0.9, 1e-2, 0.02
+    optimizer = common.LARS(common.optimizer_groups(model.parameters(), lars=True), 0.5, m, wd,
+                            eta, clip)
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    buffers = {n: torch.zeros_like(p) for n, p in expected.items()}
+    generator, clipped = torch.Generator().manual_seed(1), set()
+    for lr in (0.5, 0.05, 0.005):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        for name, p in model.named_parameters():
+            p.grad = torch.randn(p.shape, generator=generator, dtype=p.dtype)
+            w, g = expected[name], p.grad
+            r = 1.0
+            if w.ndim > 1:  # weights: decay and trust ratio
+                g = g + wd * w
+                if w.norm() > 0:
+                    r = eta * w.norm().item() / g.norm().item()
+                    if clip:
+                        clipped.add(r / lr > 1)
+                        r = min(r / lr, 1.0)
+            buffers[name] = m * buffers[name] + r * g
+            expected[name] = w - lr * buffers[name]
+        optimizer.step()
+        for name, p in model.named_parameters():
+            assert torch.allclose(p, expected[name], rtol=0, atol=1e-12), (lr, name)
+    assert clipped == ({True, False} if clip else set())
+
+
+def test_lars_groups_keep_batchnorm_and_biases_out_of_decay_and_trust():
+    model = simclr_dcl.SimCLR("resnet18", 4, 8, proj_hidden=16, proj_dim=8)
+    groups = common.optimizer_groups(model.parameters(), lars=True)
+    adapted = [p for g in groups if g.get("adapt", True) for p in g["params"]]
+    plain = [g for g in groups if not g.get("adapt", True)]
+    assert all(p.ndim > 1 for p in adapted) and len(plain) == 1
+    assert plain[0]["weight_decay"] == 0 and all(p.ndim == 1 for p in plain[0]["params"])
+    assert len(adapted) + len(plain[0]["params"]) == len(list(model.parameters()))
+
+
+# ------------------------------------------------------------------------------ 2 processes
+
+LABELS = torch.tensor([0, 1, 2, 0, -1, 1, -1, 2])  # rank 1 holds both unlabelled images
+
+
+def _lars_and_online_probe_steps(ctx, rows):
+    """3 real simclr_dcl train steps with LARS (clip on) and the online probe on the backbone,
+    float64 -> the model's and the probe's state."""
+    torch.manual_seed(0)
+    model = simclr_dcl.SimCLR("resnet18", 4, 8, proj_hidden=16, proj_dim=8)
+    net = common.distribute(model, ctx)
+    args = SimpleNamespace(optimizer="lars", wd=1e-3, lars_eta=0.02, lars_clip=True,
+                           temperature=0.1, loss="dcl", sigma=0.5)
+    optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, 0.5)
+    probe = common.OnlineProbe(model.backbone, 3, ctx, seed=0)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        views = [torch.randn(8, 3, 8, 8, generator=g, dtype=torch.float64)[rows] for _ in range(2)]
+        simclr_dcl.train_step(net, optimizer, views, args, ctx)
+        probe.step(LABELS[rows], 0.5)
+    return ({k: v.detach().clone() for k, v in model.state_dict().items()},
+            {k: v.detach().clone() for k, v in probe.classifier.state_dict().items()})
+
+
+def _streamed_probe(folder, ctx):
+    """The moco protocol on a streamed image folder, 2 epochs, batch 16 -> (its classifier's
+    state, test top-1 %)."""
+    args = simclr_dcl.parse_args(smoke_args(folder, os.path.join(folder, "no-run"), "--stream"))
+    data = common.load_data(args, ctx)
+    assert data.streaming
+    torch.manual_seed(0)
+    backbone = common.ResNet("resnet18", 8, 16)
+    made = []
+    make = common.linear_classifier
+    common.linear_classifier = lambda *a, **k: made.append(make(*a, **k)) or made[-1]
+    try:
+        top1 = common.linear_probe_augmented(backbone, data, ctx, "moco", epochs=2, batch=16,
+                                             seed=0)
+    finally:
+        common.linear_classifier = make
+    return {k: v.detach().clone() for k, v in made[0].state_dict().items()}, top1
+
+
+def _worker(folder):
+    ctx = ctx_for(common.rank(), 2)
+    with float64():
+        steps = _lars_and_online_probe_steps(ctx, slice(4 * ctx.rank, 4 * ctx.rank + 4))
+    return steps, _streamed_probe(folder, ctx)
+
+
+@pytest.fixture(scope="module")
+def two_processes(tiny_folder, tmp_path_factory):
+    return run_distributed("test_lars_and_probes", "_worker", tmp_path_factory.mktemp("dist"),
+                           tiny_folder)
+
+
+def test_lars_and_the_online_probe_train_like_one_process(two_processes):
+    """3 steps of LARS on 2 ranks leave the model where 3 steps of one process on the whole batch
+    do; the online probe's classifier too: its gradient is the mean over the global batch's
+    labelled views (rank 1 has 2 labelled images of 4, rank 0 all 4), not a mean of rank means."""
+    with float64():
+        model, classifier = _lars_and_online_probe_steps(ctx_for(0, 1), slice(0, 8))
+    torch.manual_seed(0)
+    initial = simclr_dcl.SimCLR("resnet18", 4, 8, proj_hidden=16, proj_dim=8).state_dict()
+    for rank in two_processes:
+        for key, value in model.items():
+            assert torch.allclose(rank[0][0][key], value, rtol=0, atol=1e-10), key
+        for key, value in classifier.items():
+            assert torch.allclose(rank[0][1][key], value, rtol=0, atol=1e-12), key
+    assert max((model[k].double() - initial[k]).abs().max() for k in model) > 1e-3
+    with float64():
+        start = common.linear_classifier(32, 3, CPU, 0).weight  # the backbone's 32 features
+    assert (classifier["weight"] - start).abs().max() > 1e-4
+
+
+def test_the_streamed_augmented_probe_on_two_processes_equals_one(two_processes, tiny_folder):
+    """An augmented probe on a streamed folder (workers decode and crop) trains the same
+    classifier on 2 ranks as on one: each rank crops its rows as one process would, and the
+    gradient is the global batch's mean."""
+    single, top1 = _streamed_probe(tiny_folder, ctx_for(0, 1))
+    for (classifier, rank_top1) in (rank[1] for rank in two_processes):
+        assert rank_top1 == top1
+        for key, value in single.items():
+            assert torch.allclose(classifier[key], value, rtol=1e-4, atol=1e-4), key
+    start = common.linear_classifier(64, 3, CPU, 0, std=0.01).weight  # width 8: 64 features
+    assert (single["weight"] - start).abs().max() > 1e-2
+
+
+# ------------------------------------------------------------------------------ frozen backbone
+
+@pytest.mark.parametrize("stream", [False, True], ids=["held", "streamed"])
+def test_every_probe_leaves_the_backbone_bit_identical(tiny_folder, tmp_path, stream):
+    """After each --linear-protocol's probe (and the online probe's evaluation), every parameter
+    and BatchNorm buffer (running mean/var, num_batches_tracked) of the backbone is bit-identical,
+    and its train/eval mode is as before."""
+    torch.manual_seed(0)
+    backbone = common.ResNet("resnet18", 8, 16)
+    backbone.train()
+    probe = common.OnlineProbe(backbone, 3, ctx_for(0, 1), seed=0)
+    for protocol in common.LINEAR_PROTOCOLS:
+        out = tmp_path / protocol
+        options = ["--linear-protocol", protocol, "--linear-epochs", "2", "--linear-batch", "16"]
+        args = simclr_dcl.parse_args(smoke_args(tiny_folder, out, *options,
+                                                *(["--stream"] if stream else [])))
+        data = common.load_data(args, ctx_for(0, 1))
+        before = {k: v.clone() for k, v in backbone.state_dict().items()}
+        result = common.evaluate(backbone, data, ctx_for(0, 1), args, final=True, probe=probe)
+        assert result["linear_protocol"] == protocol and 0 <= result["online_top1"] <= 100
+        assert backbone.training
+        after = backbone.state_dict()
+        assert before.keys() == after.keys() and any("running_mean" in k for k in before)
+        for key in before:
+            assert torch.equal(before[key], after[key]), (protocol, key)
+
+
+# ------------------------------------------------------------------------------ online probe
+
+def test_the_online_probe_draws_nothing_from_the_global_rng():
+    backbone = common.ResNet("resnet18", 4, 8)
+    state = torch.get_rng_state()
+    common.OnlineProbe(backbone, 10, ctx_for(0, 1), seed=0)
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def checkpoint(out):
+    return torch.load(out / "checkpoint.pt", weights_only=True)
+
+
+ONLINE = [(moco_simmoco_simco, ["--method", "mocov2", "--queue-size", "40"]),  # queue, key encoder
+          (simsiam_byol_gsg, ["--method", "byol", "--stopgrad", "guided", "--proj-hidden", "32",
+                              "--proj-dim", "32", "--pred-hidden", "8"])]  # 4 views, EMA target
+
+
+@pytest.mark.parametrize("module, extra", ONLINE, ids=["mocov2", "byol-guided"])
+def test_the_online_probe_leaves_pre_training_bit_identical(tiny_folder, tmp_path, module, extra):
+    """One epoch (4 steps) with and without --online-probe: every tensor of the model, optimizer,
+    queue / momentum encoder / EMA target is bit-identical (no extra backbone pass in train mode,
+    no draw from the global RNG, no gradient into the backbone). With it, the probe is in
+    checkpoint.pt and online_top1 in the evaluation's metrics line and in results.json."""
+    run = lambda name, flag: module.main(smoke_args(tiny_folder, tmp_path / name, flag, *extra,
+                                                    "--linear-epochs", "0"))
+    run("with", "--online-probe")
+    run("without", "--no-online-probe")
+    a, b = checkpoint(tmp_path / "with"), checkpoint(tmp_path / "without")
+    assert a.keys() - b.keys() == {"online_probe"}
+    a, b = flat_tensors(a), flat_tensors(b)
+    assert len(b) > 50 and b.keys() <= a.keys()
+    for key, value in b.items():
+        assert torch.equal(a[key], value), key
+    line = json.loads(open(tmp_path / "with" / "metrics.jsonl").readline())
+    results = json.load(open(tmp_path / "with" / "results.json"))
+    assert 0 <= line["online_top1"] <= 100 and 0 <= results["online_top1"] <= 100
+    assert "online_top1" not in json.load(open(tmp_path / "without" / "results.json"))
