@@ -162,7 +162,7 @@ def test_gpus_give_each_job_its_own_cuda_visible_devices(tmp_path, monkeypatch, 
     """--gpus 0,1 --jobs-per-gpu 2: every job on GPU 0 or 1, at most 2 on one GPU at a time (and
     2 reached); --nproc 2 --gpus 0,1,2,3: each torchrun job gets a pair; without --gpus the
     environment's own devices are left alone. The full-scale gsg / dcl tables show the published
-    numbers and the difference, dt's stand-in protocol stays "not comparable", a failed row shows
+    numbers and the difference, dcl-imagenet's borrowed protocol stays "not comparable", a failed row shows
     its error line, and a second call reruns only that row."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
     fake = FakeRun(fail="simclr-dclw-b64")
