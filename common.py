@@ -66,8 +66,12 @@ def run(main):
     except BaseException as error:
         if RUNNING["signal"]:  # met mid-collective, it can surface as the peer's closed socket
             if rank_of_process() == 0:  # one line: Ctrl-C and torchrun signal every rank alike
-                say(None, interrupted_line())
+                say(None, f"interrupted {where_the_run_stands()}")
             sys.exit(128 + RUNNING["signal"])
+        if dist.is_initialized() and re.search(r"Connection (reset|closed) by peer", str(error)):
+            say("error", f"another process of this run has ended, so this one stops "
+                         f"{where_the_run_stands()}")
+            sys.exit(1)
         if isinstance(error, torch.OutOfMemoryError) or "DefaultCPUAllocator" in str(error):
             asked = re.search(r"[Tt]ried to allocate ([\d.]+ \w+)", str(error))
             where = "GPU" if isinstance(error, torch.OutOfMemoryError) else "host"
@@ -88,11 +92,12 @@ RUNNING = {"pid": None, "signal": None}  # run()'s process (not a DataLoader wor
 
 def on_signal(signum, frame):
     """Ctrl-C or SIGTERM in run()'s process: an exception, which run() turns into one line."""
-    if os.getpid() != RUNNING["pid"]:  # a DataLoader worker, forked with this handler: as before
-        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else
-                      signal.SIG_DFL)
-        return os.kill(os.getpid(), signum)
+    if os.getpid() != RUNNING["pid"]:  # a DataLoader worker, forked with this handler: its loop
+        raise KeyboardInterrupt  # ends quietly on Ctrl-C (torch's own handler ends it on SIGTERM)
     RUNNING["signal"] = signum
+    # workers killed by the same SIGTERM (Slurm signals every process) are expected now: torch's
+    # SIGCHLD handler would raise about them as the DataLoader shuts down
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # (not SIG_DFL: Python warns if one is due)
     raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted
 
 
@@ -1050,15 +1055,16 @@ def log_epoch(ctx, record):
 PROGRESS = {"out": None, "epochs": None, "epoch": None, "saved": None, "resume": False}
 
 
-def interrupted_line():
+def where_the_run_stands():
+    """"in epoch E; continue with --resume RUN", or what else is true of a run stopped now."""
     out, epoch, epochs = PROGRESS["out"], PROGRESS["epoch"], PROGRESS["epochs"]
     if epoch is None:
-        return (f"interrupted; continue with --resume {out}" if PROGRESS["resume"] else
-                "interrupted before the run began; nothing was written")
+        return (f"before the resume began; continue with --resume {out}" if PROGRESS["resume"]
+                else "before the run began; nothing was written")
     where = "the final evaluation" if epochs is not None and epoch > epochs else f"epoch {epoch}"
     if PROGRESS["saved"] is None and not os.path.exists(os.path.join(out, "results.json")):
-        return f"interrupted in {where}, before any checkpoint; start it again with --out {out}"
-    return f"interrupted in {where}; continue with --resume {out}"
+        return f"in {where}, before any checkpoint; start it again with --out {out}"
+    return f"in {where}; continue with --resume {out}"
 
 
 LOCK = ".lock"  # the run folder's lock file, which rank 0 holds (flock) while the run goes on
@@ -1069,8 +1075,9 @@ atexit.register(lambda: [f.close() for f in HELD.values()])  # (the kernel would
 def hold_run_folder(out):
     """Take the run folder's lock, an exclusive fcntl.flock on OUT/.lock: one process at a time
     runs or resumes a folder. The kernel drops it when the process ends, however it ends: a killed
-    run never blocks its resume. Held already by this process (a run and its resume in one
-    Python session), nothing changes; held by another, one line names it."""
+    run never blocks its resume, whose temp files are removed. Held already by this process (a
+    run and its resume in one Python session), nothing changes; held by another, one line names
+    it."""
     path = os.path.join(out, LOCK)
     try:
         f = open(path, "a+", encoding="utf-8")
@@ -1094,10 +1101,17 @@ def hold_run_folder(out):
                         f"of it is going on; wait for it to end (or stop it), then try again")
     except OSError as error:  # a file system without locks (Lustre without -o flock, ...)
         warnings.warn(f"{path}: no lock ({error.strerror}); start one run per folder at a time")
+    if not os.path.exists(path) or os.stat(path)[1:3] != identity:  # deleted as it was locked
+        f.close()
+        raise UserError(f"{out} was deleted or replaced as this process began with it; try again")
     f.truncate(0)
     f.write(f"{os.getpid()} on {socket.gethostname()}\n")
     f.flush()
     HELD[identity] = f
+    for name in os.listdir(out):  # a temp file here now is a killed (SIGKILL) write's
+        if name.endswith((".pt.tmp", ".json.tmp", ".jsonl.tmp")):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(out, name))
 
 
 def release_run_folder(out):
@@ -1201,6 +1215,9 @@ def load_checkpoint(ctx, states):
         hold_run_folder(ctx.out)
     path = os.path.join(ctx.out, "checkpoint.pt")
     if not os.path.exists(path):  # no epoch was saved: an --epochs 0 run, or one that failed
+        if os.path.exists(os.path.join(ctx.out, "results.json")) and PROGRESS["epochs"]:
+            raise UserError(f"{path} is gone, and the finished run's trained weights with it: "
+                            f"it cannot be evaluated again; train it again in a new --out")
         if os.path.exists(os.path.join(ctx.out, "results.json")):
             PROGRESS.update(epoch=1)
             return 0
