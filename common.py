@@ -69,8 +69,9 @@ def run(main):
                 say(None, f"interrupted {where_the_run_stands()}")
             sys.exit(128 + RUNNING["signal"])
         if dist.is_initialized() and re.search(r"Connection (reset|closed) by peer", str(error)):
-            say("error", f"another process of this run has ended, so this one stops "
-                         f"{where_the_run_stands()}")
+            if rank_of_process() == 0:  # (the others: rank 0, or torchrun, says what happened)
+                say("error", f"another process of this run has ended, so this one stops "
+                             f"{where_the_run_stands()}")
             sys.exit(1)
         if isinstance(error, torch.OutOfMemoryError) or "DefaultCPUAllocator" in str(error):
             asked = re.search(r"[Tt]ried to allocate ([\d.]+ \w+)", str(error))
@@ -242,10 +243,11 @@ def saved_options(parser, saved, path):
                         f"or start a new --out")
     argv = []
     for action in actions:
-        option, value = action.option_strings[0], saved.get(action.dest, KeyError)
-        if value is KeyError:
+        option = action.option_strings[0]
+        if action.dest not in saved:
             raise UserError(f"{path} has no {option}: add the value that run was trained with "
                             f"(\"{action.dest}\": ...), or start a new --out")
+        value = saved[action.dest]
         if value is None and action.default is None:
             continue  # not given, as when the run began
         if action.nargs == 0:  # a switch: --symmetric, or --amp / --no-amp
@@ -259,9 +261,11 @@ def saved_options(parser, saved, path):
             argv += [option, *(json.dumps(v) if not isinstance(v, str) else v for v in values)]
         else:
             argv.append(f"{option}={value if isinstance(value, str) else json.dumps(value)}")
-    error = parser.error
-    parser.error = lambda message: raise_user_error(f"{path} fails the command line's check: "
-                                                    f"{message}; correct it, or start a new --out")
+    def refuse(message):  # argparse's error(), which would print the usage and exit
+        raise UserError(f"{path} fails the command line's check: {message}; correct it, or start "
+                        f"a new --out")
+
+    error, parser.error = parser.error, refuse
     try:
         parsed = vars(check_crop_scale(parser.parse_args(argv)))
     except UserError as e:  # the crop check names the option, not the file
@@ -275,10 +279,6 @@ def saved_options(parser, saved, path):
                             f"{json.dumps(saved[action.dest])}, which the command line reads as "
                             f"{json.dumps(value)}; write it so, or start a new --out")
     return dict(saved)
-
-
-def raise_user_error(message):
-    raise UserError(message)
 
 
 # ------------------------------------------------------------------------------ processes
@@ -1085,7 +1085,8 @@ def hold_run_folder(out):
         raise UserError(write_failed(path, error)) from None
     identity = os.fstat(f.fileno())[1:3]  # inode, device: one file whichever path names it
     if identity in HELD:
-        return f.close()
+        f.close()
+        return
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -1135,7 +1136,8 @@ def write_failed(path, error):
     """The line for an OS error met writing `path` in a run folder: what, where, what is kept."""
     folder = os.path.dirname(path) or "."
     fix = ("free some space" if error.errno in (errno.ENOSPC, errno.EDQUOT) else
-           f"make {folder} writable")
+           f"make {folder} writable" if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+           else "fix that")
     if PROGRESS["saved"] is None and not os.path.exists(os.path.join(folder, "checkpoint.pt")):
         return (f"cannot write {path} ({error.strerror}); no checkpoint was written yet: {fix}, "
                 f"then start the run again")
@@ -1276,7 +1278,8 @@ def keep_metrics_until(path, epoch):
         except (ValueError, KeyError) as error:  # not UTF-8, not JSON, no "epoch"
             done = error
         if type(done) is not int:
-            what = "blank" if not line.strip() else f"not an epoch's record: {line[:40]!r}"
+            what = ("blank" if not line.strip() else
+                    f"not an epoch's record: {line[:40].decode(errors='replace')!r}")
             raise UserError(f"{path} line {number} is {what}; delete that line (each line is one "
                             f"epoch's JSON record), then resume again")
     kept = b"".join(line + b"\n" for line in lines if json.loads(line)["epoch"] <= epoch)
