@@ -1,12 +1,18 @@
 """Shared infrastructure, no algorithm: command line, run folder, processes and gathers, ResNets,
 data on the device (or streamed), batched augmentation, kNN and linear probes, exact checkpoints."""
 import argparse
+import atexit
+import contextlib
 import datetime
+import errno
+import fcntl
 import inspect
 import json
 import math
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +27,7 @@ import torchvision  # here, before any process group: see below
 import torchvision.transforms.v2 as T
 from PIL import Image
 from torchvision.transforms.functional import rgb_to_grayscale as grayscale  # takes batches too
+from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.models.resnet import BasicBlock, Bottleneck
 from tqdm import tqdm
 
@@ -33,23 +40,79 @@ class UserError(Exception):
     """A problem the user can fix: printed as one line, exit status 2, no traceback."""
 
 
+class Interrupted(BaseException):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt (no `except
+    Exception` swallows either)."""
+
+
 def run(main):
-    """Call `main()`; a UserError becomes one `error:` line on stderr and exit status 2."""
+    """Call `main()`. A UserError becomes one `error:` line on stderr and exit status 2; Ctrl-C
+    (SIGINT) or SIGTERM one line naming the epoch and --resume, exit status 130 or 143 (128 +
+    the signal), on every rank; running out of memory one `error:` line."""
+    RUNNING.update(pid=os.getpid(), signal=None)
+    handlers = {signum: signal.signal(signum, on_signal)
+                for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         main()
     except UserError as error:
-        rank = int(os.environ.get("RANK", 0))
-        if rank != 0:  # rank 0 says what every rank usually met, and torchrun then stops the
-            time.sleep(10)  # others; a rank that met an error alone says it after a while
+        if rank_of_process() != 0:  # rank 0 says what every rank usually met, and torchrun then
+            try:  # stops the others (SIGTERM); a rank that met an error alone says it after a while
+                time.sleep(10)
+            except (KeyboardInterrupt, Interrupted):
+                sys.exit(128 + RUNNING["signal"])
         # raised in a DataLoader worker, the message is the worker's traceback: its last line
-        message = str(error).strip().splitlines()[-1].split("UserError: ")[-1]
-        for bar in list(tqdm._instances):  # met mid-epoch: the progress bar leaves the line first
-            bar.close()
-        print(f"error{f' (rank {rank})' if rank else ''}: {message}", file=sys.stderr, flush=True)
+        say("error", str(error).strip().splitlines()[-1].split("UserError: ")[-1])
         sys.exit(2)
+    except BaseException as error:
+        if RUNNING["signal"]:  # met mid-collective, it can surface as the peer's closed socket
+            if rank_of_process() == 0:  # one line: Ctrl-C and torchrun signal every rank alike
+                say(None, f"interrupted {where_the_run_stands()}")
+            sys.exit(128 + RUNNING["signal"])
+        if dist.is_initialized() and re.search(r"Connection (reset|closed) by peer", str(error)):
+            if rank_of_process() == 0:  # (the others: rank 0, or torchrun, says what happened)
+                say("error", f"another process of this run has ended, so this one stops "
+                             f"{where_the_run_stands()}")
+            sys.exit(1)
+        if isinstance(error, torch.OutOfMemoryError) or "DefaultCPUAllocator" in str(error):
+            asked = re.search(r"[Tt]ried to allocate ([\d.]+ \w+)", str(error))
+            where = "GPU" if isinstance(error, torch.OutOfMemoryError) else "host"
+            asked = f" (tried to allocate {asked[1]})" if asked else ""
+            say("error", f"out of {where} memory{asked}; lower --width or --batch-size (a "
+                         f"checkpoint.pt written before is kept)")
+            sys.exit(2)
+        raise
     finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+RUNNING = {"pid": None, "signal": None}  # run()'s process (not a DataLoader worker), its signal
+
+
+def on_signal(signum, frame):
+    """Ctrl-C or SIGTERM in run()'s process: an exception, which run() turns into one line."""
+    if os.getpid() != RUNNING["pid"]:  # a DataLoader worker, forked with this handler: its loop
+        raise KeyboardInterrupt  # ends quietly on Ctrl-C (torch's own handler ends it on SIGTERM)
+    RUNNING["signal"] = signum
+    # workers killed by the same SIGTERM (Slurm signals every process) are expected now: torch's
+    # SIGCHLD handler would raise about them as the DataLoader shuts down
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # (not SIG_DFL: Python warns if one is due)
+    raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted
+
+
+def rank_of_process():
+    return int(os.environ.get("RANK", 0))
+
+
+def say(kind, message):
+    """One line on stderr, after closing the progress bar of an epoch it interrupts."""
+    for bar in list(tqdm._instances):
+        bar.close()
+    rank = rank_of_process()
+    prefix = f"{kind}{f' (rank {rank})' if rank else ''}: " if kind else ""
+    print(prefix + message, file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------ command line
@@ -136,34 +199,32 @@ RESUMABLE = {"resume", "device", "data_dir", "workers", "stop_after", "eval_ever
 
 def parse_args(parser, argv, script):
     """A new run gets a fresh --out (a folder holding a run is refused); --resume RUN takes RUN's
-    config.json, changed only by the options in RESUMABLE."""
-    args = parser.parse_args(argv)
-    if args.crop_scale and not 0 < args.crop_scale[0] <= args.crop_scale[1] <= 1:
-        raise UserError(f"--crop-scale {' '.join(map(str, args.crop_scale))}: need 0 < MIN <= MAX "
-                        f"<= 1")
+    config.json, checked as the command line is and changed only by the options in RESUMABLE."""
+    args = check_crop_scale(parser.parse_args(argv))
     if args.resume is None:
         # the process id keeps apart runs started in the same second (rank 0's names the folder)
         default = f"{script}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         args.out = args.out or os.path.join("runs", default)
         if os.path.exists(args.out) and not os.path.isdir(args.out):
             raise UserError(f"--out {args.out} is a file; choose a folder")
-        # a run that stopped before its first checkpoint may be started again in its folder
-        held = [os.path.join(args.out, name) for name in ("checkpoint.pt", "results.json")]
-        if any(map(os.path.exists, held)):
-            raise UserError(f"--out {args.out} already holds a run: continue it with --resume "
-                            f"{args.out}, or choose another --out")
+        refuse_a_held_folder(args.out)  # checked again under the folder's lock (start_run)
+        PROGRESS.update(out=args.out, epochs=args.epochs, epoch=None, saved=None, resume=False)
         return args
     run = os.path.dirname(args.resume) if args.resume.endswith(".pt") else args.resume
+    path = os.path.join(run, "config.json")
     try:
-        with open(os.path.join(run, "config.json")) as f:
+        with open(path, encoding="utf-8") as f:
             config = json.load(f)
-        saved = config["args"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
         raise UserError(f"--resume {run}: no readable config.json there; give a run folder of "
                         f"this project") from None
+    if not isinstance(config, dict) or not isinstance(config.get("args"), dict):
+        raise UserError(f"{path} holds no \"args\" object: it is damaged or not from this "
+                        f"project; restore it from a copy, or start a new --out")
     if config.get("script") != script:
         raise UserError(f"--resume {run}: that run was made by {config.get('script')}.py, not "
                         f"{script}.py; start a new --out")
+    saved = saved_options(parser, config["args"], path)
     parser.set_defaults(**saved)  # the options not typed again take the run's values
     args = parser.parse_args(argv)
     if os.path.normpath(args.out) not in map(os.path.normpath, (run, saved.get("out", run))):
@@ -174,7 +235,65 @@ def parse_args(parser, argv, script):
             raise UserError(f"run {run} was trained with --{key.replace('_', '-')} {saved[key]}, "
                             f"not {value}; drop that option to continue it, or start a new --out")
     args.out = run
+    PROGRESS.update(out=run, epochs=args.epochs, epoch=None, saved=None, resume=True)
     return args
+
+
+def check_crop_scale(args):
+    if args.crop_scale and not 0 < args.crop_scale[0] <= args.crop_scale[1] <= 1:
+        raise UserError(f"--crop-scale {' '.join(map(str, args.crop_scale))}: need 0 < MIN <= MAX "
+                        f"<= 1")
+    return args
+
+
+def saved_options(parser, saved, path):
+    """A run's saved options (config.json's "args"), checked as the command line checks them:
+    each is written back as its option and read by `parser` (types, ranges, choices), and must
+    read back as saved -> {dest: value}. A missing option is an error, not today's default."""
+    actions = [a for a in parser._actions if a.option_strings and a.dest not in ("help", "resume")]
+    unknown = sorted(set(saved) - {a.dest for a in actions} - {"resume"})
+    if unknown:
+        names = ", ".join(f"--{dest.replace('_', '-')}" for dest in unknown)
+        raise UserError(f"{path} has options this script does not know ({names}); remove them, "
+                        f"or start a new --out")
+    argv = []
+    for action in actions:
+        option = action.option_strings[0]
+        if action.dest not in saved:
+            raise UserError(f"{path} has no {option}: add the value that run was trained with "
+                            f"(\"{action.dest}\": ...), or start a new --out")
+        value = saved[action.dest]
+        if value is None and action.default is None:
+            continue  # not given, as when the run began
+        if action.nargs == 0:  # a switch: --symmetric, or --amp / --no-amp
+            if not isinstance(value, bool):
+                raise UserError(f"{path}: {option} is {json.dumps(value)}; it must be true or "
+                                f"false")
+            negative = [f"--no-{option[2:]}"] if len(action.option_strings) == 2 else []
+            argv += [option] if value else negative
+        elif action.nargs is not None:
+            values = value if isinstance(value, list) else [value]
+            argv += [option, *(json.dumps(v) if not isinstance(v, str) else v for v in values)]
+        else:
+            argv.append(f"{option}={value if isinstance(value, str) else json.dumps(value)}")
+    def refuse(message):  # argparse's error(), which would print the usage and exit
+        raise UserError(f"{path} fails the command line's check: {message}; correct it, or start "
+                        f"a new --out")
+
+    error, parser.error = parser.error, refuse
+    try:
+        parsed = vars(check_crop_scale(parser.parse_args(argv)))
+    except UserError as e:  # the crop check names the option, not the file
+        raise UserError(str(e) if str(e).startswith(path) else f"{path}: {e}") from None
+    finally:
+        parser.error = error
+    for action in actions:
+        value = json.loads(json.dumps(parsed[action.dest]))  # tuples -> lists, as saved
+        if value != saved[action.dest]:
+            raise UserError(f"{path}: {action.option_strings[0]} is "
+                            f"{json.dumps(saved[action.dest])}, which the command line reads as "
+                            f"{json.dumps(value)}; write it so, or start a new --out")
+    return dict(saved)
 
 
 # ------------------------------------------------------------------------------ processes
@@ -456,6 +575,7 @@ def image_folder(args, ctx, size, mean, std, crops):
         if not os.path.isdir(root):
             raise UserError(f"imagefolder: {root} does not exist; --data-dir needs train/ and "
                             f"val/ folders with one subfolder of images per class")
+        refuse_repeated_files(root)
         try:
             folders[split] = torchvision.datasets.ImageFolder(root)
         except (FileNotFoundError, RuntimeError) as error:
@@ -491,6 +611,36 @@ def image_folder(args, ctx, size, mean, std, crops):
                 (decode(val, size, args.workers, ctx), labels[1]), classes, size, mean, std)
 
 
+def refuse_repeated_files(root):
+    """ImageFolder follows links: a link loop (`ln -s . train/bag/loop`) or a second link to one
+    folder or image would count its images again, silently. Walk `root` as it does and stop with
+    one line naming the link where a folder or an image is met a second time."""
+    def identity(path):
+        stat = os.stat(path)
+        return stat.st_dev, stat.st_ino
+
+    folders, linked, stack = {}, {}, [root]  # folders: identity -> the path it was met at
+    while stack:
+        folder = stack.pop()
+        if identity(folder) in folders:  # name the link of the two paths
+            first = folders[identity(folder)]
+            link, other = (first, folder) if os.path.islink(first) else (folder, first)
+            raise UserError(f"imagefolder: {link} leads to {other} again (a link loop, or two "
+                            f"links to one folder): its images would count twice; remove the link")
+        folders[identity(folder)] = folder
+        with contextlib.suppress(OSError), os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.is_dir():  # through links, as ImageFolder's walk goes
+                    stack.append(entry.path)
+                elif entry.is_symlink() and entry.name.lower().endswith(IMG_EXTENSIONS):
+                    linked.setdefault(os.path.realpath(entry.path), []).append(entry.path)
+    for target, links in linked.items():  # an image met twice: two links, or a link and the file
+        if os.path.exists(target) and (len(links) > 1 or
+                                       identity(os.path.dirname(target)) in folders):
+            raise UserError(f"imagefolder: {links[-1]} links to {target}, which the folder "
+                            f"holds already; remove that link")
+
+
 class ImageFiles(torch.utils.data.Dataset):
     """(path, label) list -> uint8 (3, S, S), shorter side resized to S and centre-cropped; with
     `crops`, uint8 (crops, 3, S, S) random resized crops and flips (the streaming train set:
@@ -514,7 +664,9 @@ class ImageFiles(torch.utils.data.Dataset):
                     raise UserError(f"image {path} is {image.mode} (16-bit or float); convert "
                                     f"it to 8 bits per channel")
                 image = image.convert("RGB")
-        except (OSError, Image.DecompressionBombError) as error:  # UnidentifiedImageError too
+        except UserError:
+            raise
+        except Exception as error:  # OSError, and the SyntaxError, ValueError, ... of damaged files
             raise UserError(f"unreadable image {path} ({type(error).__name__}); remove or "
                             f"replace it") from None
         if not self.crops:
@@ -789,7 +941,8 @@ def extract_features(backbone, split, data, ctx, workers=0, unit=True):
     lo, hi = min(ctx.rank * share, n), min((ctx.rank + 1) * share, n)
     batches = zip(*(t[lo:hi].split(256) for t in split)) if isinstance(split, tuple) else \
         torch.utils.data.DataLoader(torch.utils.data.Subset(split, range(lo, hi)), 256,
-                                    num_workers=workers)
+                                    num_workers=workers,  # workers seeded apart from
+                                    generator=torch.Generator())  # the global RNG
     features = torch.zeros(share, backbone.out_dim, device=device,
                            dtype=torch.float16 if device.type == "cuda" else torch.float32)
     labels = torch.full((share,), -1, dtype=torch.long, device=device)
@@ -871,8 +1024,9 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed
     mean = total[0] / len(rows)
     std = (total[1] / len(rows) - mean ** 2).clamp_min(0).sqrt() + 1e-6
     classifier = nn.Linear(train_f.shape[1], num_classes).to(train_f.device)
-    nn.init.zeros_(classifier.weight)  # a convex problem: a zero start, no random draw
-    nn.init.zeros_(classifier.bias)
+    # a convex problem: a zero start. Nothing from the global RNG, whose state depends on how
+    # many DataLoaders ran before: a resumed run's differs from an uninterrupted run's
+    nn.init.zeros_(classifier.weight), nn.init.zeros_(classifier.bias)
     optimizer = torch.optim.AdamW(classifier.parameters(), lr=lr * batch / 256, weight_decay=5e-4)
     steps = epochs * -(-len(rows) // batch)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
@@ -1072,24 +1226,155 @@ def check_finite(record):
 
 
 def log_epoch(ctx, record):
+    """Add the epoch's line to metrics.jsonl (the file rewritten whole, atomically) and print it."""
     if ctx.rank == 0:
-        with open(os.path.join(ctx.out, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
+        path = os.path.join(ctx.out, "metrics.jsonl")
+        try:
+            with open(path, "rb") as f:
+                lines = f.read()
+        except FileNotFoundError:
+            lines = b""
+        write_atomic(path, lambda f: f.write(lines + (json.dumps(record) + "\n").encode()))
         ctx.print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                             for k, v in record.items()))
 
 
 # ------------------------------------------------------------------------------ run folder
+# Where a run stands, for the line an interrupted run prints: its folder, its epochs, the epoch it
+# is in (None before it starts) and the last epoch its checkpoint.pt holds. Every rank keeps it.
+PROGRESS = {"out": None, "epochs": None, "epoch": None, "saved": None, "resume": False}
+
+
+def where_the_run_stands():
+    """"in epoch E; continue with --resume RUN", or what else is true of a run stopped now."""
+    out, epoch, epochs = PROGRESS["out"], PROGRESS["epoch"], PROGRESS["epochs"]
+    if epoch is None:
+        return (f"before the resume began; continue with --resume {out}" if PROGRESS["resume"]
+                else "before the run began; nothing was written")
+    where = "the final evaluation" if epochs is not None and epoch > epochs else f"epoch {epoch}"
+    if PROGRESS["saved"] is None and not os.path.exists(os.path.join(out, "results.json")):
+        return f"in {where}, before any checkpoint; start it again with --out {out}"
+    return f"in {where}; continue with --resume {out}"
+
+
+LOCK = ".lock"  # the run folder's lock file, which rank 0 holds (flock) while the run goes on
+HELD = {}  # (inode, device) of each lock file this process holds -> its open file
+atexit.register(lambda: [f.close() for f in HELD.values()])  # (the kernel would drop them too)
+
+
+def hold_run_folder(out):
+    """Take the run folder's lock, an exclusive fcntl.flock on OUT/.lock: one process at a time
+    runs or resumes a folder. The kernel drops it when the process ends, however it ends: a killed
+    run never blocks its resume, whose temp files are removed. Held already by this process (a
+    run and its resume in one Python session), nothing changes; held by another, one line names
+    it."""
+    path = os.path.join(out, LOCK)
+    try:
+        f = open(path, "a+", encoding="utf-8")
+    except OSError as error:
+        raise UserError(write_failed(path, error)) from None
+    identity = os.fstat(f.fileno())[1:3]  # inode, device: one file whichever path names it
+    if identity in HELD:
+        f.close()
+        return
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = ""
+        for _ in range(20):  # the holder writes its name just after it takes the lock
+            f.seek(0)
+            holder = f.read().strip()
+            if holder:
+                break
+            time.sleep(0.05)
+        f.close()
+        raise UserError(f"{out} is in use by process {holder or '(unknown)'}: a run or --resume "
+                        f"of it is going on; wait for it to end (or stop it), then try again")
+    except OSError as error:  # a file system without locks (Lustre without -o flock, ...)
+        warnings.warn(f"{path}: no lock ({error.strerror}); start one run per folder at a time")
+    if not os.path.exists(path) or os.stat(path)[1:3] != identity:  # deleted as it was locked
+        f.close()
+        raise UserError(f"{out} was deleted or replaced as this process began with it; try again")
+    f.truncate(0)
+    f.write(f"{os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    HELD[identity] = f
+    for name in os.listdir(out):  # a temp file here now is a killed (SIGKILL) write's
+        if name.endswith((".pt.tmp", ".json.tmp", ".jsonl.tmp")):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(out, name))
+
+
+def release_run_folder(out):
+    try:
+        identity = os.stat(os.path.join(out, LOCK))[1:3]
+    except OSError:
+        return
+    if identity in HELD:
+        HELD.pop(identity).close()  # closing the file drops its flock
+
+
+def refuse_a_held_folder(out):
+    # a run that stopped before its first checkpoint may be started again in its folder
+    held = [os.path.join(out, name) for name in ("checkpoint.pt", "results.json")]
+    if any(map(os.path.exists, held)):
+        raise UserError(f"--out {out} already holds a run: continue it with --resume {out}, or "
+                        f"choose another --out")
+
+
+def write_failed(path, error):
+    """The line for an OS error met writing `path` in a run folder: what, where, what is kept."""
+    folder = os.path.dirname(path) or "."
+    fix = ("free some space" if error.errno in (errno.ENOSPC, errno.EDQUOT) else
+           f"make {folder} writable" if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+           else "fix that")
+    if PROGRESS["saved"] is None and not os.path.exists(os.path.join(folder, "checkpoint.pt")):
+        return (f"cannot write {path} ({error.strerror}); no checkpoint was written yet: {fix}, "
+                f"then start the run again")
+    saved = f" (epoch {PROGRESS['saved']})" if PROGRESS["saved"] is not None else ""
+    return (f"cannot write {path} ({error.strerror}); the last good checkpoint{saved} is kept in "
+            f"{folder}: {fix}, then continue with --resume {folder}")
+
+
+def write_atomic(path, write):
+    """Write a run folder's file all or nothing: `write(f)` fills a temp file beside `path`
+    (binary), which is flushed to disk and then renamed over `path` (os.replace). A kill or a
+    full disk leaves the previous file (or none), never a part, and no temp file; an OS error is
+    one line (write_failed)."""
+    temp = path + ".tmp"
+    try:
+        with open(temp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename: a power cut keeps one whole file
+        os.replace(temp, path)
+    except BaseException as error:
+        with contextlib.suppress(OSError):
+            os.remove(temp)
+        cause = error  # torch.save's writer turns a full disk's OSError into a RuntimeError
+        while isinstance(cause, Exception) and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, OSError):
+            raise UserError(write_failed(path, cause)) from None
+        raise
+
+
 def start_run(args, ctx, script):
-    """Create the run folder and its config.json (a resumed run keeps its own). Called once the
-    data and the model are ready, so that a run that fails to start leaves nothing behind."""
+    """Take the run folder (its lock), create it and its config.json (a resumed run keeps its
+    own). Called once the data and the model are ready, so that a run that fails to start leaves
+    nothing behind."""
+    if not args.resume:
+        PROGRESS.update(epoch=1)
     if ctx.rank != 0 or args.resume:
         return
     try:
         os.makedirs(ctx.out, exist_ok=True)
-        open(os.path.join(ctx.out, "metrics.jsonl"), "w").close()  # empty, if a run started here
     except OSError as error:
         raise UserError(f"--out {ctx.out}: cannot write there ({error.strerror})") from None
+    hold_run_folder(ctx.out)
+    refuse_a_held_folder(ctx.out)  # again: another run may have begun here since parse_args
+    # metrics.jsonl starts empty (a run stopped here before its first checkpoint left lines)
+    write_atomic(os.path.join(ctx.out, "metrics.jsonl"), lambda f: None)
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
@@ -1098,14 +1383,13 @@ def start_run(args, ctx, script):
     config = {"script": script, "args": vars(args), "world_size": ctx.world, "command": sys.argv,
               "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                            "git_commit": commit or None}}
-    with open(os.path.join(ctx.out, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    write_atomic(os.path.join(ctx.out, "config.json"),
+                 lambda f: f.write(json.dumps(config, indent=2).encode()))
 
 
 def save_atomic(obj, path):
-    """torch.save to a temp file, then os.replace: a crash mid-save never leaves a broken file."""
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    """torch.save through write_atomic: a crash mid-save never leaves a broken file."""
+    write_atomic(path, lambda f: torch.save(obj, f))
 
 
 def save_checkpoint(ctx, epoch, states):
@@ -1113,14 +1397,21 @@ def save_checkpoint(ctx, epoch, states):
     if ctx.rank == 0:
         state = {name: s.state_dict() for name, s in states.items() if s is not None}
         save_atomic({"epoch": epoch, **state}, os.path.join(ctx.out, "checkpoint.pt"))
+    PROGRESS.update(epoch=epoch + 1, saved=epoch)
 
 
 def load_checkpoint(ctx, states):
-    """Load each named state from the run folder's checkpoint.pt, and keep only the metrics lines
-    of the epochs it holds -> the epoch to continue from."""
+    """Take the run folder (its lock), load each named state from its checkpoint.pt, and keep
+    only the metrics lines of the epochs it holds -> the epoch to continue from."""
+    if ctx.rank == 0:
+        hold_run_folder(ctx.out)
     path = os.path.join(ctx.out, "checkpoint.pt")
     if not os.path.exists(path):  # no epoch was saved: an --epochs 0 run, or one that failed
+        if os.path.exists(os.path.join(ctx.out, "results.json")) and PROGRESS["epochs"]:
+            raise UserError(f"{path} is gone, and the finished run's trained weights with it: "
+                            f"it cannot be evaluated again; train it again in a new --out")
         if os.path.exists(os.path.join(ctx.out, "results.json")):
+            PROGRESS.update(epoch=1)
             return 0
         raise UserError(f"{ctx.out} has no checkpoint: its first epoch never ended; start it "
                         f"again with --out {ctx.out}")
@@ -1129,13 +1420,22 @@ def load_checkpoint(ctx, states):
     except Exception as error:
         raise UserError(f"{path} is unreadable ({type(error).__name__}): it is truncated or not "
                         f"from this project; start a new --out") from None
+    epoch = checkpoint.get("epoch") if isinstance(checkpoint, dict) else None
+    if type(epoch) is not int or epoch < 0:
+        raise UserError(f"{path} is not a checkpoint of this project (no count of epochs done); "
+                        f"restore it from a copy, or start a new --out")
+    missing = [name for name, state in states.items() if state is not None and name not in
+               checkpoint]
+    if missing:
+        raise UserError(f"{path} holds no {', '.join(missing)}: it is not from this script and "
+                        f"options; start a new --out")
     for name, state in states.items():
         # an optimizer keeps this run's fused/foreach choice, not the saving machine's
         flags = [{k: g[k] for k in ("fused", "foreach") if k in g}
                  for g in getattr(state, "param_groups", [])]
         try:
             state is None or state.load_state_dict(checkpoint[name])
-        except (RuntimeError, KeyError, ValueError) as error:
+        except (RuntimeError, KeyError, ValueError, TypeError, AttributeError, IndexError) as error:
             raise UserError(f"{path}: the saved {name} does not fit this model "
                             f"({' '.join(str(error).split())[:160]}); start a new --out") from None
         for group, flag in zip(getattr(state, "param_groups", []), flags):  # new dicts now
@@ -1144,30 +1444,60 @@ def load_checkpoint(ctx, states):
             for k, v in buffers.items():  # CUDA, takes channels_last like p (fused SGD needs it)
                 if torch.is_tensor(v) and v.shape == p.shape:
                     buffers[k] = torch.empty_like(p).copy_(v)
-    metrics = os.path.join(ctx.out, "metrics.jsonl")
-    if ctx.rank == 0 and os.path.exists(metrics):  # a run stopped between log and save logged an
-        with open(metrics) as f:  # epoch it now trains again (or half a line): those lines go
-            lines = [line for line in f
-                     if line.endswith("\n") and json.loads(line)["epoch"] <= checkpoint["epoch"]]
-        with open(metrics, "w") as f:
-            f.writelines(lines)
-    ctx.print(f"resumed {ctx.out} at epoch {checkpoint['epoch']}")
-    return checkpoint["epoch"]
+    PROGRESS.update(epoch=epoch + 1, saved=epoch)
+    if ctx.rank == 0:
+        keep_metrics_until(os.path.join(ctx.out, "metrics.jsonl"), epoch)
+    ctx.print(f"resumed {ctx.out} at epoch {epoch}")
+    return epoch
+
+
+def keep_metrics_until(path, epoch):
+    """metrics.jsonl keeps the lines of epochs 1..`epoch`: a run stopped between log and save
+    logged an epoch it now trains again (or half a line, written by a kill, at the end). Any
+    other line that is not an epoch's record is one error line (the file is not changed)."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return
+    *lines, _ = text.split(b"\n")  # the last part is "" or a half-written line
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line.decode("utf-8"))
+            done = record["epoch"] if isinstance(record, dict) else None
+        except (ValueError, KeyError) as error:  # not UTF-8, not JSON, no "epoch"
+            done = error
+        if type(done) is not int:
+            what = ("blank" if not line.strip() else
+                    f"not an epoch's record: {line[:40].decode(errors='replace')!r}")
+            raise UserError(f"{path} line {number} is {what}; delete that line (each line is one "
+                            f"epoch's JSON record), then resume again")
+    kept = b"".join(line + b"\n" for line in lines if json.loads(line)["epoch"] <= epoch)
+    if kept != text:
+        write_atomic(path, lambda f: f.write(kept))
 
 
 def finish(ctx, backbone, results):
-    """backbone.pt (CPU tensors, torchvision's names) and results.json, printing the accuracies.
-    A finished run resumed with other evaluation options writes eval-<time>.json beside them."""
+    """backbone.pt (CPU tensors, torchvision's names) and results.json, printing the accuracies;
+    then the run folder's lock is let go. A finished run resumed with other evaluation options
+    writes eval-<time>.json beside them (and backbone.pt again from checkpoint.pt if it is gone)."""
     if ctx.rank != 0:
         return
-    path = os.path.join(ctx.out, "results.json")
-    if os.path.exists(path):
-        path = os.path.join(ctx.out, time.strftime("eval-%Y%m%d-%H%M%S.json"))
+    path, weights = (os.path.join(ctx.out, name) for name in ("results.json", "backbone.pt"))
+    if not os.path.exists(path):
+        save_atomic({k: v.cpu() for k, v in backbone.state_dict().items()}, weights)
     else:
-        weights = {k: v.cpu() for k, v in backbone.state_dict().items()}
-        save_atomic(weights, os.path.join(ctx.out, "backbone.pt"))
-    with open(path, "w") as f:
-        json.dump(results, f, indent=2)
+        stamp = time.strftime("eval-%Y%m%d-%H%M%S")
+        path = os.path.join(ctx.out, f"{stamp}.json")
+        for n in range(2, 1000):  # two evaluations in one second
+            if not os.path.exists(path):
+                break
+            path = os.path.join(ctx.out, f"{stamp}-{n}.json")
+        if not os.path.exists(weights):  # the weights the checkpoint holds, as when it finished
+            save_atomic({k: v.cpu() for k, v in backbone.state_dict().items()}, weights)
+            ctx.print(f"{weights} was missing: written again from the checkpoint")
+    write_atomic(path, lambda f: f.write(json.dumps(results, indent=2).encode()))
+    release_run_folder(ctx.out)
     line = (f"final kNN top-1 (k={results['knn_k']}): {results['knn_top1']:.2f}%  "
             f"kNN top-1 (k=1): {results['knn_k1_top1']:.2f}%")
     if "linear_top1" in results:

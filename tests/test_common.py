@@ -260,9 +260,8 @@ def test_crash_mid_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     path = str(tmp_path / "checkpoint.pt")
     common.save_atomic({"epoch": 1, "w": torch.ones(3)}, path)
 
-    def crash(obj, f, *a, **k):
-        with open(f, "wb") as handle:
-            handle.write(b"half a checkpoint")
+    def crash(obj, f, *a, **k):  # f: the open temp file
+        f.write(b"half a checkpoint")
         raise KeyboardInterrupt
 
     monkeypatch.setattr(torch, "save", crash)
