@@ -565,21 +565,53 @@ class Recipe:
     flip_p: float = 0.5
     jitter: tuple = (0.4, 0.4, 0.4, 0.1)  # brightness, contrast, saturation, hue
     jitter_p: float = 0.8
+    # random: a new order of the four ops per image, as torchvision's ColorJitter draws one per
+    # call (transforms.py, ColorJitter.get_params: randperm(4)); fixed: brightness, contrast,
+    # saturation, hue for every image
+    jitter_order: str = "random"
     gray_p: float = 0.2
     blur_p: float = 0.0
     blur_sigma: tuple = (0.1, 2.0)
     solarize_p: float = 0.0
 
 
-def colour_jitter(x, brightness, contrast, saturation, hue=None):
-    """torchvision's ColorJitter ops in a fixed order (torchvision shuffles it per call), a factor
-    (B,) per image for each (1: unchanged; `hue` in turns, None: skipped); the first three blend x
-    with black, its mean grey, its grey."""
-    b, c, s = (f.view(-1, 1, 1, 1) for f in (brightness, contrast, saturation))
-    x = (b * x).clamp(0, 1)
-    x = (c * x + (1 - c) * grayscale(x).mean(dim=(1, 2, 3), keepdim=True)).clamp(0, 1)
-    x = (s * x + (1 - s) * grayscale(x)).clamp(0, 1)
-    return x if hue is None else adjust_hue(x, hue)
+def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
+    """torchvision's ColorJitter on a batch: four ops, each image with its own factors (B,) and
+    its own order of the ops, `order` (B, 4): row i lists image i's ops by index 0 brightness,
+    1 contrast, 2 saturation, 3 hue (None: that order for every image). Factor 1 leaves an op's
+    image unchanged (hue: shift 0, or None to skip it)."""
+    ops = (adjust_brightness, adjust_contrast, adjust_saturation, adjust_hue)
+    factors = (brightness, contrast, saturation, hue)
+    order = torch.arange(4, device=x.device).expand(len(x), 4) if order is None else order
+    # each op runs once per image, on the images that take it at that position: one host sync
+    # for the group sizes, where computing all four ops on every image each time would cost 4x
+    images_by_op = order.argsort(dim=0, stable=True)  # (B, 4): column p, the images grouped by op
+    counts = F.one_hot(order, 4).sum(0).tolist()  # counts[p][k]: images whose p-th op is op k
+    x = x.clone()
+    for position in range(4):
+        groups = images_by_op[:, position].split(counts[position])
+        for op, factor, rows in zip(ops, factors, groups):
+            if factor is not None and len(rows):
+                x[rows] = op(x[rows], factor[rows])
+    return x
+
+
+def blend(x, other, factor):
+    """factor * x + (1 - factor) * other, clamped to [0, 1]: torchvision's _blend, a factor (B,)."""
+    factor = factor.view(-1, 1, 1, 1)
+    return (factor * x + (1 - factor) * other).clamp(0, 1)
+
+
+def adjust_brightness(x, factor):  # blends with black
+    return blend(x, 0.0, factor)
+
+
+def adjust_contrast(x, factor):  # blends with the image's mean grey
+    return blend(x, grayscale(x).mean(dim=(1, 2, 3), keepdim=True), factor)
+
+
+def adjust_saturation(x, factor):  # blends with the image's grey
+    return blend(x, grayscale(x), factor)
 
 
 def adjust_hue(x, shift):
@@ -691,7 +723,8 @@ class Augment:
             jitter = rand(b) < r.jitter_p  # drawn before the factors
             factors = [1 - s + 2 * s * rand(b) for s in r.jitter[:3]]
             hue = r.jitter[3] * (2 * rand(b) - 1) if r.jitter[3] > 0 else None
-            x = torch.where(jitter.view(-1, 1, 1, 1), colour_jitter(x, *factors, hue), x)
+            order = rand((b, 4)).argsort(1) if r.jitter_order == "random" else None  # (b, 4)
+            x = torch.where(jitter.view(-1, 1, 1, 1), colour_jitter(x, *factors, hue, order), x)
         if r.gray_p > 0:
             x = where(r.gray_p, grayscale(x).expand_as(x), x)
         if r.blur_p > 0:
