@@ -636,15 +636,17 @@ def test_limit_train_keeps_every_class_of_an_image_folder(tiny_folder, tmp_path)
 
 def test_streaming_image_folder_and_augmented_linear_probe(tiny_folder, tmp_path):
     """--stream decodes and crops in DataLoader workers and writes a whole run; --linear-aug
-    reports the augmented SGD probe, whose accuracy counts the 18 validation images."""
+    reports the augmented SGD probe, whose accuracy counts the 18 validation images; config.json
+    records each run's data path."""
     simclr_dcl.main(smoke_args(tiny_folder, tmp_path / "stream", "--stream"))
-    _, _, results = check_run_folder(tmp_path / "stream", epochs=1)
+    config, _, results = check_run_folder(tmp_path / "stream", epochs=1)
     assert results["linear_protocol"] == "fixed features AdamW"
+    assert config["args"]["data_path"] == "streamed"  # the path taken, which --resume keeps
     simclr_dcl.main(
         smoke_args(tiny_folder, tmp_path / "aug", "--linear-aug", "--linear-epochs", "1")
     )
-    _, _, results = check_run_folder(tmp_path / "aug", epochs=1)
-    assert results["linear_protocol"] == "augmented SGD"
+    config, _, results = check_run_folder(tmp_path / "aug", epochs=1)
+    assert results["linear_protocol"] == "augmented SGD" and config["args"]["data_path"] == "held"
     correct = results["linear_top1"] * 18 / 100  # 3 classes x 6 validation images
     assert abs(correct - round(correct)) < 1e-9
 
