@@ -798,7 +798,8 @@ class Augment:
             jitter = rand(b) < r.jitter_p  # drawn before the factors
             factors = [1 - s + 2 * s * rand(b) for s in r.jitter[:3]]
             hue = r.jitter[3] * (2 * rand(b) - 1) if r.jitter[3] > 0 else None
-            order = rand((b, 4)).argsort(1) if r.jitter_order == "random" else None  # (b, 4)
+            # (b, 4): each image's own order of the four ops, as ColorJitter's randperm(4)
+            order = rand((b, 4)).argsort(1) if r.jitter_order == "random" else None
             x = torch.where(jitter.view(-1, 1, 1, 1), colour_jitter(x, *factors, hue, order), x)
         if r.gray_p > 0:
             x = where(r.gray_p, grayscale(x).expand_as(x), x)
