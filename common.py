@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchvision  # here, before any process group: see below
 import torchvision.transforms.v2 as T
+import torchvision.transforms.v2.functional as TF
 from PIL import Image
 from torchvision.transforms.functional import rgb_to_grayscale as grayscale  # takes batches too
 from torchvision.datasets.folder import IMG_EXTENSIONS
@@ -146,7 +147,7 @@ def add_common_args(parser):
     a("--data-dir", default="./data", help="where the data set is (CIFAR/STL-10 download here)")
     a("--image-size", type=positive_int, help="default: 32 CIFAR, 96 STL-10, 224 imagefolder")
     a("--stream", action="store_true", help="imagefolder: decode in DataLoader workers every "
-      "epoch (automatic when the decoded set would fill over half the free device memory)")
+      "epoch (automatic unless each split's images share one size, at most 16 GiB in all)")
     a("--workers", type=non_negative_int, default=min(8, os.cpu_count() or 1), help="decoders")
     a("--limit-train", type=positive_int, help="use only N training images: the first N "
       "(imagefolder: N spread over its class folders)")
@@ -505,8 +506,9 @@ STATS = {"cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
 @dataclass
 class Data:
     """The pre-training set and two evaluation splits, labels -1 where unlabelled. On the device:
-    `train` uint8 (N, 3, S, S), the splits (images, labels), eval_train sharing train's tensor
-    where they are the same images. Streaming: ImageFiles that DataLoader workers decode."""
+    `train` uint8 (N, 3, H, W), the splits (images, labels), eval_train sharing train's tensor
+    where they are the same images; `whole`: image-folder files as decoded, evaluated through
+    eval_view (else H = W = S, evaluated as held). Streaming: ImageFiles that workers decode."""
     train: object
     train_labels: torch.Tensor
     eval_train: object
@@ -516,13 +518,16 @@ class Data:
     mean: tuple
     std: tuple
     streaming: bool = False
+    whole: bool = False
 
     def __len__(self):
         return len(self.train_labels)
 
 
 def load_data(args, ctx, crops=2):
-    """--dataset as Data; `crops`: random crops per image that a streaming train set makes."""
+    """--dataset as Data; `crops`: random crops per image that a streaming train set makes.
+    Records the path taken in args.data_path, "held" or "streamed" (config.json), which a resumed
+    run's args bring back to image_folder."""
     mean, std = STATS[args.dataset]
     size = {"cifar10": 32, "cifar100": 32, "stl10": 96}.get(args.dataset, args.image_size or 224)
     if args.dataset == "imagefolder":
@@ -540,6 +545,7 @@ def load_data(args, ctx, crops=2):
     if len(data) < args.batch_size:
         raise UserError(f"--batch-size {args.batch_size} is more than the {len(data)} training "
                         f"images; use a smaller batch")
+    args.data_path = "streamed" if data.streaming else "held"
     return data
 
 
@@ -568,7 +574,14 @@ def torchvision_split(args, ctx, limit, **split):
     return images[:limit].contiguous().to(ctx.device), labels[:limit].long().to(ctx.device)
 
 
+HOLD_LIMIT = 16 * 2 ** 30  # bytes: a larger image folder streams, on every machine alike
+
+
 def image_folder(args, ctx, size, mean, std, crops):
+    """DATA_DIR/train and val as Data: held on the device where that loses nothing (one size per
+    split, so the files are kept whole and RandomResizedCrop samples the full image, as in the
+    workers; at most HOLD_LIMIT bytes), else streamed. Only the data and --stream choose, never
+    the free memory; a resumed run takes the path in its args.data_path."""
     folders = {}
     for split in ("train", "val"):
         root = os.path.join(args.data_dir, split)
@@ -593,22 +606,81 @@ def image_folder(args, ctx, size, mean, std, crops):
         train = [train[i * len(train) // args.limit_train] for i in range(args.limit_train)]
     labels = [torch.tensor([y for _, y in s], device=ctx.device) for s in (train, val)]
     classes = len(folders["train"].classes)
-    if ctx.device.type == "cuda":  # decoded on the device if it takes at most half the free memory
+    path = getattr(args, "data_path", None) or ("streamed" if args.stream else None)
+    shapes = None if path == "streamed" else whole_shapes(train, val, ctx)
+    if path == "held" and shapes is None:
+        raise UserError(f"--resume: the run held {args.data_dir} whole on the device, but its "
+                        f"images now differ in size (or exceed {HOLD_LIMIT >> 30} GiB); "
+                        f"restore the folder or start a new --out")
+    if shapes is None:
+        return Data(ImageFiles(train, size, crops, args.crop_scale), labels[0],
+                    ImageFiles(train, size), ImageFiles(val, size), classes, size, mean, std,
+                    streaming=True)
+    need, free = decoded_bytes(train, val, shapes), free_memory(ctx)
+    if need > free:
+        raise UserError(f"imagefolder: its images, held whole, need {need / 2 ** 30:.2f} GiB on "
+                        f"{ctx.device}, {free / 2 ** 30:.2f} GiB are free; add --stream (the "
+                        f"workers then decode it every epoch)")
+    images = decode(train, shapes[0], args.workers, ctx)  # once: pre-training and kNN share it
+    return Data(images, labels[0], (images, labels[0]),
+                (decode(val, shapes[1], args.workers, ctx), labels[1]), classes, size, mean, std,
+                whole=True)
+
+
+def whole_shapes(train, val, ctx):
+    """(H, W) of train's images and of val's, where each split's files share one size and the
+    two splits, decoded whole, take at most HOLD_LIMIT bytes; else None. Sizes come from the
+    files' headers, each rank reading a share; a file PIL cannot open is left to decode(), which
+    names it."""
+    shapes = []
+    for samples in (train, val):
+        share, sizes = -(-len(samples) // ctx.world), set()
+        for path, _ in samples[ctx.rank * share:(ctx.rank + 1) * share]:
+            try:
+                with Image.open(path) as image:
+                    sizes.add(image.size[::-1])  # PIL: (width, height)
+            except Exception:  # any decoder error: decode() names the file
+                continue
+            if len(sizes) > 1:  # mixed sizes (ImageNet): known after a few files
+                break
+        found = [sizes] * ctx.world
+        if ctx.world > 1:
+            dist.all_gather_object(found, sizes)
+        sizes = set().union(*found)
+        if len(sizes) != 1:
+            return None
+        shapes.append(sizes.pop())
+    return shapes if decoded_bytes(train, val, shapes) <= HOLD_LIMIT else None
+
+
+def decoded_bytes(train, val, shapes):
+    return sum(len(samples) * 3 * h * w for samples, (h, w) in zip((train, val), shapes))
+
+
+def free_memory(ctx):
+    """Bytes free on the device (CPU: host memory shared by this node's processes), the least
+    over all ranks."""
+    if ctx.device.type == "cuda":
         free = torch.cuda.mem_get_info(ctx.device)[0]
-    else:  # CPU: the free host memory, which this node's processes share
+    else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         free //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if ctx.world > 1:  # one decision for all ranks: each sees its own free memory
         free = torch.tensor(free, device=ctx.device)
         dist.all_reduce(free, op=dist.ReduceOp.MIN)
-        free = int(free)
-    if args.stream or (len(train) + len(val)) * 3 * size * size > free // 2:
-        return Data(ImageFiles(train, size, crops, args.crop_scale), labels[0],
-                    ImageFiles(train, size), ImageFiles(val, size), classes, size, mean, std,
-                    streaming=True)
-    images = decode(train, size, args.workers, ctx)  # once: pre-training and kNN share it
-    return Data(images, labels[0], (images, labels[0]),
-                (decode(val, size, args.workers, ctx), labels[1]), classes, size, mean, std)
+    return int(free)
+
+
+def eval_size(size):
+    """The side that evaluation resizes to before its centre S x S crop: S / 0.875 above 64 px
+    (ImageNet's 256 for 224), S for small images (CIFAR-sized folders: the crop of today)."""
+    return round(size / 0.875) if size > 64 else size
+
+
+def eval_view(images, size):
+    """uint8 (..., 3, H, W) -> the evaluation view (..., 3, S, S): the shorter side resized to
+    eval_size(S), antialiased, then the centre S x S (torchvision's Resize + CenterCrop)."""
+    return TF.center_crop(TF.resize(images, [eval_size(size)], antialias=True), [size])
 
 
 def refuse_repeated_files(root):
@@ -642,16 +714,18 @@ def refuse_repeated_files(root):
 
 
 class ImageFiles(torch.utils.data.Dataset):
-    """(path, label) list -> uint8 (3, S, S), shorter side resized to S and centre-cropped; with
-    `crops`, uint8 (crops, 3, S, S) random resized crops and flips (the streaming train set:
-    cropping in the workers keeps full-size images off the device; colour runs there batched)."""
+    """(path, label) list -> uint8 (3, S, S), the evaluation view (eval_view); with `crops`,
+    uint8 (crops, 3, S, S), RandomResizedCrop + flip of the full image (the streaming train set:
+    cropping in the workers keeps full-size images off the device; colour runs there batched);
+    with `whole`, the image as decoded, uint8 (3, H, W) (decode())."""
 
-    def __init__(self, samples, size, crops=0, scale=(0.08, 1.0)):
+    def __init__(self, samples, size, crops=0, scale=(0.08, 1.0), whole=False):
         self.samples, self.crops, self.seed = samples, crops, 0
-        self.fixed = T.Compose([T.PILToTensor(), T.Resize(size, antialias=True),
-                                T.CenterCrop(size)])
+        self.fixed = T.PILToTensor() if whole else T.Compose([
+            T.PILToTensor(), T.Resize(eval_size(size), antialias=True), T.CenterCrop(size)])
         self.random = T.Compose([T.PILToTensor(), T.RandomHorizontalFlip(),
-                                 T.RandomResizedCrop(size, tuple(scale), antialias=True)])
+                                 T.RandomResizedCrop(size, tuple(scale), antialias=True)]) \
+            if crops else None
 
     def __len__(self):
         return len(self.samples)
@@ -676,10 +750,11 @@ class ImageFiles(torch.utils.data.Dataset):
             return torch.stack([self.random(image) for _ in range(self.crops)]), label
 
 
-def decode(samples, size, workers, ctx):
-    """Image files -> uint8 (N, 3, S, S) on every rank, each rank decoding its share."""
+def decode(samples, shape, workers, ctx):
+    """Image files of one size, shape = (H, W) -> uint8 (N, 3, H, W) whole, on every rank, each
+    rank decoding its share."""
     share = -(-len(samples) // ctx.world)
-    mine = ImageFiles(samples[ctx.rank * share:(ctx.rank + 1) * share], size)
+    mine = ImageFiles(samples[ctx.rank * share:(ctx.rank + 1) * share], None, whole=True)
     parts, error = [], ""
     try:
         parts = [x for x, _ in torch.utils.data.DataLoader(mine, 256, num_workers=workers)]
@@ -690,7 +765,7 @@ def decode(samples, size, workers, ctx):
         dist.all_gather_object(errors, error)
     if any(errors):
         raise UserError(next(e for e in errors if e))
-    images = torch.cat(parts + [torch.zeros(share - len(mine), 3, size, size, dtype=torch.uint8)])
+    images = torch.cat(parts + [torch.zeros(share - len(mine), 3, *shape, dtype=torch.uint8)])
     return gather(images.to(ctx.device))[:len(samples)]  # padded: all_gather needs equal shares
 
 
@@ -729,21 +804,53 @@ class Recipe:
     flip_p: float = 0.5
     jitter: tuple = (0.4, 0.4, 0.4, 0.1)  # brightness, contrast, saturation, hue
     jitter_p: float = 0.8
+    # random: a new order of the four ops per image, as torchvision's ColorJitter draws one per
+    # call (transforms.py, ColorJitter.get_params: randperm(4)); fixed: brightness, contrast,
+    # saturation, hue for every image
+    jitter_order: str = "random"
     gray_p: float = 0.2
     blur_p: float = 0.0
     blur_sigma: tuple = (0.1, 2.0)
     solarize_p: float = 0.0
 
 
-def colour_jitter(x, brightness, contrast, saturation, hue=None):
-    """torchvision's ColorJitter ops in a fixed order (torchvision shuffles it per call), a factor
-    (B,) per image for each (1: unchanged; `hue` in turns, None: skipped); the first three blend x
-    with black, its mean grey, its grey."""
-    b, c, s = (f.view(-1, 1, 1, 1) for f in (brightness, contrast, saturation))
-    x = (b * x).clamp(0, 1)
-    x = (c * x + (1 - c) * grayscale(x).mean(dim=(1, 2, 3), keepdim=True)).clamp(0, 1)
-    x = (s * x + (1 - s) * grayscale(x)).clamp(0, 1)
-    return x if hue is None else adjust_hue(x, hue)
+def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
+    """torchvision's ColorJitter on a batch: four ops, each image with its own factors (B,) and
+    its own order of the ops, `order` (B, 4): row i lists image i's ops by index 0 brightness,
+    1 contrast, 2 saturation, 3 hue (None: that order for every image). Factor 1 leaves an op's
+    image unchanged (hue: shift 0, or None to skip it)."""
+    ops = (adjust_brightness, adjust_contrast, adjust_saturation, adjust_hue)
+    factors = (brightness, contrast, saturation, hue)
+    order = torch.arange(4, device=x.device).expand(len(x), 4) if order is None else order
+    # each op runs once per image, on the images that take it at that position: one host sync
+    # for the group sizes, where computing all four ops on every image each time would cost 4x
+    images_by_op = order.argsort(dim=0, stable=True)  # (B, 4): column p, the images grouped by op
+    counts = F.one_hot(order, 4).sum(0).tolist()  # counts[p][k]: images whose p-th op is op k
+    x = x.clone()
+    for position in range(4):
+        groups = images_by_op[:, position].split(counts[position])
+        for op, factor, rows in zip(ops, factors, groups):
+            if factor is not None and len(rows):
+                x[rows] = op(x[rows], factor[rows])
+    return x
+
+
+def blend(x, other, factor):
+    """factor * x + (1 - factor) * other, clamped to [0, 1]: torchvision's _blend, a factor (B,)."""
+    factor = factor.view(-1, 1, 1, 1)
+    return (factor * x + (1 - factor) * other).clamp(0, 1)
+
+
+def adjust_brightness(x, factor):  # blends with black
+    return blend(x, 0.0, factor)
+
+
+def adjust_contrast(x, factor):  # blends with the image's mean grey
+    return blend(x, grayscale(x).mean(dim=(1, 2, 3), keepdim=True), factor)
+
+
+def adjust_saturation(x, factor):  # blends with the image's grey
+    return blend(x, grayscale(x), factor)
 
 
 def adjust_hue(x, shift):
@@ -855,7 +962,9 @@ class Augment:
             jitter = rand(b) < r.jitter_p  # drawn before the factors
             factors = [1 - s + 2 * s * rand(b) for s in r.jitter[:3]]
             hue = r.jitter[3] * (2 * rand(b) - 1) if r.jitter[3] > 0 else None
-            x = torch.where(jitter.view(-1, 1, 1, 1), colour_jitter(x, *factors, hue), x)
+            # (b, 4): each image's own order of the four ops, as ColorJitter's randperm(4)
+            order = rand((b, 4)).argsort(1) if r.jitter_order == "random" else None
+            x = torch.where(jitter.view(-1, 1, 1, 1), colour_jitter(x, *factors, hue, order), x)
         if r.gray_p > 0:
             x = where(r.gray_p, grayscale(x).expand_as(x), x)
         if r.blur_p > 0:
@@ -948,8 +1057,11 @@ def extract_features(backbone, split, data, ctx, workers=0, unit=True):
     labels = torch.full((share,), -1, dtype=torch.long, device=device)
     backbone.eval()
     for i, (images, y) in enumerate(batches):  # batches of 256
+        images = images.to(device)
+        if data.whole and isinstance(split, tuple):  # image files held whole: the view streamed
+            images = eval_view(images, data.image_size)  # ones get from their workers
         with ctx.autocast():
-            f = backbone(normalize(images.to(device).float() / 255, data.mean, data.std)).float()
+            f = backbone(normalize(images.float() / 255, data.mean, data.std)).float()
         features[256 * i:256 * i + len(y)] = F.normalize(f, dim=1) if unit else f
         labels[256 * i:256 * i + len(y)] = y
     backbone.train(was_training)

@@ -53,6 +53,8 @@ def parse_args(argv=None):
     a("--pred-hidden", type=common.positive_int, default=512, help="predictor bottleneck width")
     # off: bych-lee/gsg main_pretrain.py; its README's ImageNet command turns it on
     a("--fix-pred-lr", action="store_true", help="the predictor keeps the peak lr (no schedule)")
+    # kNN T 0.2, k 200: bych-lee/gsg main_knn.py:65-66 (ImageNet); moot at CIFAR-10's k=1 (GSG)
+    parser.set_defaults(knn_t=0.2)
     # GSG Sec. 5.1 (CIFAR-10): batch 512, 200 epochs, lr 0.06 at batch 512 (0.03 per 256), wd 5e-4;
     # no warm-up: bych-lee/gsg main_pretrain.py has none; crop scale (0.2, 1): main_pretrain.py
     parser.set_defaults(batch_size=512, epochs=200, lr=0.03, wd=5e-4, warmup_epochs=0,

@@ -12,9 +12,19 @@ import pytest
 import torch
 import torch.nn as nn
 import torchvision
+from PIL import Image
 
 import common
-from helpers import ROOT, _env, check_run_folder, free_port, run_distributed, run_script, smoke_args
+from helpers import (
+    ROOT,
+    _env,
+    check_run_folder,
+    free_port,
+    run_distributed,
+    run_script,
+    smoke_args,
+    tiny_image_folder,
+)
 
 # each script with options that exercise its own state: queue, momentum encoder, EMA target,
 # support set, streaming
@@ -140,12 +150,79 @@ def test_backbone_pt_loads_into_torchvision(tmp_path, arch, size):
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=0)
 
 
+CPU_CTX = common.Context(0, 1, 0, torch.device("cpu"), "", False)
+
+
 def test_an_image_folder_is_decoded_once(tiny_folder):
-    """Pre-training and the kNN's training split share one uint8 tensor."""
+    """Pre-training and the kNN's training split share one uint8 tensor: the files whole (all
+    20 x 24 px), which the random crop samples as the streaming workers do."""
     args = _args(tiny_folder)
-    data = common.load_data(args, common.Context(0, 1, 0, torch.device("cpu"), "", False))
+    data = common.load_data(args, CPU_CTX)
     assert data.eval_train[0] is data.train and data.train.dtype == torch.uint8
-    assert data.train.shape == (72, 3, 16, 16) and len(data.eval_test[1]) == 18
+    assert data.train.shape == (72, 3, 20, 24) and len(data.eval_test[1]) == 18
+    assert args.data_path == "held" and not data.streaming
+
+
+def test_the_free_memory_never_chooses_how_an_image_folder_is_augmented(
+    tiny_folder, tmp_path, monkeypatch
+):
+    """Held where that loses nothing (every file of a split one size, kept whole), else streamed,
+    with little free memory as with much. The tiny folder held whole needs (72 + 18) x 3 x 20 x
+    24 = 129,600 bytes; one image of another size makes a folder stream. Where the whole files do
+    not fit at all, the run is refused (add --stream), not switched to the other path."""
+    mixed = tiny_image_folder(str(tmp_path / "mixed"), 2, 8, 2)
+    Image.new("RGB", (20, 24)).save(tmp_path / "mixed" / "train" / "class1" / "3.png")
+    sysconf = os.sysconf
+
+    def path(folder, free):  # CPU: free bytes = SC_AVPHYS_PAGES x SC_PAGE_SIZE
+        pages = {"SC_AVPHYS_PAGES": free, "SC_PAGE_SIZE": 1}
+        monkeypatch.setattr(os, "sysconf", lambda name: pages.get(name) or sysconf(name))
+        args = _args(folder)
+        data = common.load_data(args, CPU_CTX)
+        return data.streaming, getattr(args, "data_path", None), tuple(data.train[0][0].shape)
+
+    assert path(tiny_folder, 130_000) == path(tiny_folder, 10**12) == (False, "held", (20, 24))
+    assert path(mixed, 130_000) == path(mixed, 10**12) == (True, "streamed", (2, 3, 16, 16))
+    with pytest.raises(common.UserError, match="add --stream"):
+        path(tiny_folder, 100_000)
+
+
+def test_a_resumed_run_keeps_its_image_folder_path(tiny_folder, tmp_path):
+    """config.json's args.data_path comes back with --resume and is the path taken, even where
+    the folder alone would now choose the other."""
+    args = _args(tiny_folder)
+    os.makedirs(tmp_path / "run")
+    saved = {**json.loads(json.dumps(vars(args))), "out": str(tmp_path / "run"),
+             "data_path": "streamed"}
+    with open(tmp_path / "run" / "config.json", "w") as f:
+        json.dump({"script": "simclr_dcl", "args": saved}, f)
+    import simclr_dcl
+
+    resumed = simclr_dcl.parse_args(["--resume", str(tmp_path / "run")])
+    assert resumed.data_path == "streamed" and common.load_data(resumed, CPU_CTX).streaming
+
+
+def test_image_folder_evaluation_is_resize_to_s_over_0875_then_centre_crop(tmp_path):
+    """Above 64 px: Resize(round(S / 0.875)) + CenterCrop(S), 256 -> 224 at S = 224; at 64 px and
+    below Resize(S) + CenterCrop(S). Streamed (ImageFiles) and held (eval_view on a batch) views
+    equal torchvision's Resize + CenterCrop on the image's tensor, and the authors' PIL pipeline
+    (transforms.Resize on the PIL image) within one grey level."""
+    import torchvision.transforms as T1
+    import torchvision.transforms.v2 as T
+    from torchvision.transforms.functional import pil_to_tensor, to_pil_image
+
+    assert [common.eval_size(s) for s in (224, 96, 64, 32)] == [256, 110, 64, 32]
+    g = torch.Generator().manual_seed(0)
+    image = (torch.rand(3, 90, 110, generator=g) * 255).to(torch.uint8)
+    to_pil_image(image).save(tmp_path / "image.png")
+    batch = torch.stack([torch.zeros_like(image), image])
+    for size, side in ((72, 82), (32, 32)):
+        expect = T.CenterCrop(size)(T.Resize(side, antialias=True)(image))
+        assert expect.shape == (3, size, size)
+        assert torch.equal(common.ImageFiles([(tmp_path / "image.png", 0)], size)[0][0], expect)
+        assert torch.equal(common.eval_view(batch, size)[1], expect)
+        pil = pil_to_tensor(T1.CenterCrop(size)(T1.Resize(side)(to_pil_image(image))))
+        assert (pil.int() - expect.int()).abs().max() <= 1
 
 
 def _args(data_dir, *extra):
