@@ -247,16 +247,25 @@ def check_crop_scale(args):
     return args
 
 
+# What a run records in config.json's "args" beside its options, and a resume keeps: the
+# image-folder path load_data chose (held on the device or streamed).
+RECORDED = {"data_path": ("held", "streamed")}
+
+
 def saved_options(parser, saved, path):
     """A run's saved options (config.json's "args"), checked as the command line checks them:
     each is written back as its option and read by `parser` (types, ranges, choices), and must
     read back as saved -> {dest: value}. A missing option is an error, not today's default."""
     actions = [a for a in parser._actions if a.option_strings and a.dest not in ("help", "resume")]
-    unknown = sorted(set(saved) - {a.dest for a in actions} - {"resume"})
+    unknown = sorted(set(saved) - {a.dest for a in actions} - {"resume"} - set(RECORDED))
     if unknown:
         names = ", ".join(f"--{dest.replace('_', '-')}" for dest in unknown)
         raise UserError(f"{path} has options this script does not know ({names}); remove them, "
                         f"or start a new --out")
+    for key, choices in RECORDED.items():
+        if key in saved and saved[key] not in choices:
+            raise UserError(f"{path}: {key} is {json.dumps(saved[key])}; it must be one of "
+                            f"{', '.join(choices)}, or start a new --out")
     argv = []
     for action in actions:
         option = action.option_strings[0]

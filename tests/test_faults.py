@@ -279,9 +279,11 @@ GONE = object()  # an option removed from config.json
     ({"crop_scale": [1, 0.5]}, "--crop-scale 1.0 0.5: need 0 < MIN <= MAX <= 1"),
     ({"loss": "dcl2"}, "argument --loss: invalid choice: 'dcl2'"),
     ({"symmetric": True}, "has options this script does not know (--symmetric)"),
+    ({"data_path": "mmap"}, 'data_path is "mmap"; it must be one of held, streamed'),
     ([], 'holds no "args" object'),
     (None, 'holds no "args" object'),  # config.json is `null`
-], ids=["missing", "string", "float", "negative", "crop", "choice", "unknown", "list", "null"])
+], ids=["missing", "string", "float", "negative", "crop", "choice", "unknown", "data-path", "list",
+        "null"])
 def test_a_saved_config_is_checked_as_the_command_line_is(stopped_run, tmp_path, capsys, args,
                                                           message):
     """config.json on --resume: a missing option (it took today's default), a wrong type, a value
