@@ -831,16 +831,14 @@ def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
     ops = (adjust_brightness, adjust_contrast, adjust_saturation, adjust_hue)
     factors = (brightness, contrast, saturation, hue)
     order = torch.arange(4, device=x.device).expand(len(x), 4) if order is None else order
-    # each op runs once per image, on the images that take it at that position: one host sync
-    # for the group sizes, where computing all four ops on every image each time would cost 4x
-    images_by_op = order.argsort(dim=0, stable=True)  # (B, 4): column p, the images grouped by op
-    counts = F.one_hot(order, 4).sum(0).tolist()  # counts[p][k]: images whose p-th op is op k
-    x = x.clone()
+    # at each position every op runs on the whole batch and each image keeps the one it drew
+    # there: 4x the colour arithmetic (under 1% of a CPU step), but no host sync, which grouping
+    # the images by op would need for the group sizes (benchmarks/README.md)
     for position in range(4):
-        groups = images_by_op[:, position].split(counts[position])
-        for op, factor, rows in zip(ops, factors, groups):
-            if factor is not None and len(rows):
-                x[rows] = op(x[rows], factor[rows])
+        for k, (op, factor) in enumerate(zip(ops, factors)):
+            if factor is not None:
+                takes = (order[:, position] == k).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+                x = torch.where(takes, op(x, factor), x)
     return x
 
 
