@@ -43,7 +43,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -161,7 +161,8 @@ def top_modules(inputs):
 # ------------------------------------------------------------------------------ correctness
 
 def tensor_inputs(inputs):
-    """The tensors a train_step call was given (views, GSG's partners, NNCLR's labels), on the CPU."""
+    """The tensors a train_step call was given (views, GSG's partners, NNCLR's labels): CPU
+    copies."""
     def cpu(v):
         return [t.detach().cpu() for t in v] if isinstance(v, (list, tuple)) else v.detach().cpu()
     return {k: cpu(v) for k, v in inputs.items() if torch.is_tensor(v)
@@ -234,8 +235,8 @@ def one_step(name, o, sizes, amp, given=None, perturb=False):
         probe = OneStep(mod.train_step, given, perturb)
         return [(mod, "train_step", probe), (common, "setup", setup)]
     with tempfile.TemporaryDirectory() as out:
-        run_main(name, method_options(o, sizes, out, sizes.check_batch, name), lambda ctx: cifar_like(sizes.check_batch, 16, sizes.image,
-                                                        ctx.device), patches)
+        run_main(name, method_options(o, sizes, out, sizes.check_batch, name),
+                 lambda ctx: cifar_like(sizes.check_batch, 16, sizes.image, ctx.device), patches)
     return probe
 
 
@@ -672,8 +673,9 @@ def run_part(o):
     """--part NAME: run one part in this process, its rows to OUT/NAME.jsonl as they come."""
     sizes = PRESETS[o.preset]
     path = os.path.join(o.out, f"{o.part}.jsonl")
-    if o.device == "cpu":
+    if o.device == "cpu":  # one thread: at these sizes a descheduled second one stalls every op
         throughput.reuse_freed_memory()
+        torch.set_num_threads(1)
 
     def write(row):
         with open(path, "a") as f:
@@ -736,11 +738,12 @@ def run_limited(command, log_path, limit):
             code = process.wait(timeout=max(limit, 1))
         except subprocess.TimeoutExpired:
             code = None
+        finally:  # also when this process is told to stop: the part must not outlive it
             for sig in (signal.SIGTERM, signal.SIGKILL):  # what SIGTERM leaves, SIGKILL ends
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, sig)
                 with contextlib.suppress(subprocess.TimeoutExpired):
-                    process.wait(timeout=10)
+                    process.wait(timeout=10 if sig == signal.SIGTERM else None)
     seconds = time.perf_counter() - start
     state = "ok" if code == 0 else f"TIMED OUT (limit {limit:.0f} s)" if code is None else \
         f"FAILED (exit {code}; see {os.path.basename(log_path)})"
@@ -771,6 +774,8 @@ def main(argv=None):
     o = parse_args(argv)
     if o.part:
         return run_part(o)
+    if not o.in_process:  # stopped (a time-out around the check): end the running part first
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     os.makedirs(o.out, exist_ok=True)
     for name in [*PARTS, "environment", "dist_worker"]:  # a folder used before: fresh rows
         with contextlib.suppress(FileNotFoundError):
@@ -828,7 +833,8 @@ def summary(o, env, status, total):
     lines = [f"#### gpu_check: {device}, {env.get('date', '?')}, git {env.get('git', 'n/a')}", "",
              f"python {env.get('python')}, torch {env.get('torch')}, torchvision "
              f"{env.get('torchvision')}, CUDA {env.get('cuda')}; preset {o.preset}; parts "
-             f"{total:.0f} s after CUDA's initialisation ({number(env.get('cuda_init_s'))} s)."]
+             f"{total:.0f} s" + (f" after CUDA's initialisation ({env['cuda_init_s']:.1f} s)."
+                                 if "cuda_init_s" in env else ".")]
     sizes = PRESETS[o.preset]
     rows = read_rows(o.out, "correctness")
     if rows:
@@ -863,10 +869,12 @@ def summary(o, env, status, total):
         rows = read_rows(o.out, part)
         if not rows:
             continue
-        lines += ["", f"**{title}**: ms per step on the device's timeline (CUDA events; host ms "
-                  f"where the device's are the host's) per region; GPU busy = share of wall time "
-                  f"with a kernel running (profiler); syncs = host-device synchronisations per "
-                  f"step inside train_step / elsewhere in the loop.", ""]
+        explained = part != "regions" and read_rows(o.out, "regions")
+        lines += ["", f"**{title}**: " + ("columns as above." if explained else
+                  "ms per step per region on the device's timeline (CUDA events; on a CPU the "
+                  "host's clock); GPU busy: share of wall time with a kernel running "
+                  "(profiler); syncs: host-device synchronisations per step in train_step / "
+                  "in the rest of the loop (set_sync_debug_mode)."), ""]
         header = ["method", "B", "img/s", "wall ms", *REGIONS, "GPU busy", "syncs", "warm-up s"]
         lines += table(header, [[r["method"], r["batch"], number(r["img_s"], 0),
                                  number(r["step_ms"]),
@@ -887,7 +895,7 @@ def summary(o, env, status, total):
         lines += ["", f"**2 processes** vs 1, float32: global loss of the first "
                   f"{sizes.dist_steps} steps, relative error (tolerance {DIST_TOLERANCE:g}).", ""]
         lines += table(["method", "max error", "verdict", "kNN top-1 (2 proc.)"],
-                       [[r["method"], number(r.get("max_error"), 7),
+                       [[r["method"], "n/a" if "max_error" not in r else f"{r['max_error']:.1e}",
                          "ok" if r.get("ok") else "FAILED", number(r.get("knn_top1"))]
                         for r in rows])
     rows = read_rows(o.out, "tests")
