@@ -127,7 +127,7 @@ def cifar_like(n_train, n_test, size, device, seed=0):
 def run_main(name, options, data, patches):
     """Run method `name`'s own main() with `options`, common.load_data returning data(ctx), and
     each (owner, attribute, value) of `patches(module)` in place, until a patch raises StopMain."""
-    module_name, method_options = CHECKED[name]
+    module_name, file_options = CHECKED[name]
     mod = importlib.import_module(module_name)
     with contextlib.ExitStack() as stack:
         stack.enter_context(replaced(common, "load_data",
@@ -135,7 +135,7 @@ def run_main(name, options, data, patches):
         for owner, attribute, value in patches(mod):
             stack.enter_context(replaced(owner, attribute, value))
         try:
-            mod.main([*method_options, "--linear-epochs", "0", "--workers", "0", *options])
+            mod.main([*file_options, "--linear-epochs", "0", "--workers", "0", *options])
         except StopMain:
             return
     raise RuntimeError(f"{module_name}.main() returned before the check had what it needed")
@@ -145,6 +145,26 @@ def method_options(o, sizes, out, batch, name):
     """The options every part gives method file `name`: width, device, batch, run folder."""
     return ["--width", str(sizes.width), "--device", o.device, "--batch-size", str(batch),
             "--out", out, *dict(sizes.options).get(CHECKED[name][0], [])]
+
+
+def each_method(rows, write):
+    """write(make_row()) for each (label, make_row) of `rows`; a method that fails gets an error
+    row (its traceback in the log) and the others still run; then the part fails if one did."""
+    failed = []
+    for label, make_row in rows.items():
+        try:
+            write(make_row())
+        except Exception as error:
+            traceback.print_exc()
+            write({"method": label, "error": f"{type(error).__name__}: {error}"[:200]})
+            failed.append(label)
+    if failed:
+        raise SystemExit(f"failed: {', '.join(failed)}")
+
+
+def dict_argument(args, kwargs):
+    """The dict among a call's arguments (the record of log_epoch, the results of finish)."""
+    return next(a for a in [*args, *kwargs.values()] if isinstance(a, dict))
 
 
 def top_modules(inputs):
@@ -192,7 +212,7 @@ class OneStep:
     """Stands in for a method file's train_step for one call: the real train_step, on the tensors
     `given` (views, partners, labels of another run) or on its own (then recorded in `given`);
     snapshots of every module it was given before and after; then main() stops.
-    `perturb`: noise on the first view first, a deliberately wrong step."""
+    `perturb`: noise on the first view before the step, a deliberately wrong one."""
 
     def __init__(self, train_step, given=None, perturb=False):
         self.train_step, self.given, self.perturb = train_step, given, perturb
@@ -302,44 +322,46 @@ def check_method(name, o, sizes, perturb=False):
 def correctness_part(o, sizes, write):
     if o.device == "cuda":  # float32 as the CPU computes it: no TF32 in matmuls or convolutions
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    for name in o.checked:
-        write(check_method(name, o, sizes))
+    each_method({n: functools.partial(check_method, n, o, sizes) for n in o.checked}, write)
 
 
 # ------------------------------------------------------------------------------ epoch
 
-def epoch_part(o, sizes, write):
-    for name in o.methods:
-        timing = {}
-        real_evaluate = common.evaluate
+def epoch_row(name, o, sizes):
+    timing = {}
+    real_evaluate = common.evaluate
 
-        def evaluate(*args, **kwargs):  # the kNN monitor, timed
-            sync(torch.device(o.device))
-            start = time.perf_counter()
-            result = real_evaluate(*args, **kwargs)
-            sync(torch.device(o.device))
-            timing["knn_s"] = time.perf_counter() - start
-            return result
-
-        def log_epoch(ctx, record):  # the epoch is over: no checkpoint, no final evaluation
-            timing["record"] = record
-            raise StopMain
+    def evaluate(*args, **kwargs):  # the kNN monitor, timed
+        sync(torch.device(o.device))
         start = time.perf_counter()
-        with tempfile.TemporaryDirectory() as out:
-            run_main(name, ["--epochs", "1", "--eval-every", "1",
-                            *method_options(o, sizes, out, sizes.batch, name)],
-                     lambda ctx: cifar_like(sizes.epoch_train, sizes.epoch_test, sizes.image,
-                                            ctx.device),
-                     lambda mod: [(common, "evaluate", evaluate), (common, "log_epoch", log_epoch)])
-        record = timing["record"]
-        epoch_s = record["seconds"] + timing["knn_s"]
-        steps = sizes.epoch_train // sizes.batch
-        write({"method": name, "batch": sizes.batch, "train_images": sizes.epoch_train,
-               "test_images": sizes.epoch_test, "train_s": record["seconds"],
-               "knn_s": timing["knn_s"], "epoch_s": epoch_s,
-               "train_img_s": record["images_per_s"], "epoch_img_s": steps * sizes.batch / epoch_s,
-               "loss": record["loss"], "knn_top1": record.get("knn_top1"),
-               "setup_s": time.perf_counter() - start - epoch_s})
+        result = real_evaluate(*args, **kwargs)
+        sync(torch.device(o.device))
+        timing["knn_s"] = time.perf_counter() - start
+        return result
+
+    def log_epoch(*args, **kwargs):  # the epoch is over: no checkpoint, no final evaluation
+        timing["record"] = dict_argument(args, kwargs)
+        raise StopMain
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as out:
+        run_main(name, ["--epochs", "1", "--eval-every", "1",
+                        *method_options(o, sizes, out, sizes.batch, name)],
+                 lambda ctx: cifar_like(sizes.epoch_train, sizes.epoch_test, sizes.image,
+                                        ctx.device),
+                 lambda mod: [(common, "evaluate", evaluate), (common, "log_epoch", log_epoch)])
+    record = timing["record"]
+    epoch_s = record["seconds"] + timing["knn_s"]
+    steps = sizes.epoch_train // sizes.batch
+    return {"method": name, "batch": sizes.batch, "train_images": sizes.epoch_train,
+            "test_images": sizes.epoch_test, "train_s": record["seconds"],
+            "knn_s": timing["knn_s"], "epoch_s": epoch_s,
+            "train_img_s": record["images_per_s"], "epoch_img_s": steps * sizes.batch / epoch_s,
+            "loss": record["loss"], "knn_top1": record.get("knn_top1"),
+            "setup_s": time.perf_counter() - start - epoch_s}
+
+
+def epoch_part(o, sizes, write):
+    each_method({n: functools.partial(epoch_row, n, o, sizes) for n in o.methods}, write)
 
 
 # ------------------------------------------------------------------------------ regions
@@ -459,8 +481,11 @@ class RegionProbe:
         if i == self.profiled.stop and len(self.profiled):
             sync(self.device)
             wall = time.perf_counter() - self.profile_start
-            self.profiler.stop()
-            self.busy = busy_share(self.profiler, wall)
+            try:  # a profiler that fails costs this column only
+                self.profiler.stop()
+                self.busy = busy_share(self.profiler, wall)
+            except Exception:
+                traceback.print_exc()
         if i == self.profiled.stop:
             raise StopMain
 
@@ -546,19 +571,18 @@ def region_row(name, o, sizes, batch, sync_steps=None, compile=False):
 
 
 def regions_part(o, sizes, write):
-    for name in o.methods:
-        write(region_row(name, o, sizes, sizes.batch))
+    each_method({n: functools.partial(region_row, n, o, sizes, sizes.batch) for n in o.methods},
+                write)
 
 
 def small_part(o, sizes, write):
-    for batch in sizes.small_batches:
-        for name in o.methods:
-            write(region_row(name, o, sizes, batch, sync_steps=0))
+    each_method({f"{n} at batch {b}": functools.partial(region_row, n, o, sizes, b, sync_steps=0)
+                 for b in sizes.small_batches for n in o.methods}, write)
 
 
 def compile_part(o, sizes, write):
-    for name in o.methods:
-        write(region_row(name, o, sizes, sizes.batch, sync_steps=0, compile=True))
+    each_method({n: functools.partial(region_row, n, o, sizes, sizes.batch, sync_steps=0,
+                                      compile=True) for n in o.methods}, write)
 
 
 # ------------------------------------------------------------------------------ 2 processes
@@ -577,8 +601,8 @@ def first_losses(name, o, sizes, out):
                 losses.append(float(common.all_reduce_sum(out[0].float())) / common.world_size())
             return out
 
-        def finish(ctx, backbone, final):
-            results.update(final)
+        def finish(*args, **kwargs):  # the final kNN is in; no files written
+            results.update(dict_argument(args, kwargs))
             raise StopMain
         return [(mod, "train_step", step), (common, "finish", finish)]
     if o.device == "cuda":  # float32 as exact as one process's: no TF32
@@ -592,7 +616,7 @@ def first_losses(name, o, sizes, out):
 
 def dist_worker(o, sizes, write):
     """Under torchrun: every method in turn, rank 0 writing a row each."""
-    for name in o.methods:
+    for name in o.methods:  # no error rows: a rank that fails leaves the others in a collective
         with tempfile.TemporaryDirectory() as out:
             losses, results = first_losses(name, o, sizes, out)
         if common.rank() == 0:
@@ -612,7 +636,7 @@ def dist_part(o, sizes, write):
     if os.path.exists(rows):
         with open(rows) as f:
             two = {r["method"]: r for r in map(json.loads, f)}
-    for name in o.methods:
+    def compared(name):
         with tempfile.TemporaryDirectory() as out:
             one, _ = first_losses(name, o, sizes, out)
         row = {"method": name, "losses_1": one}
@@ -621,7 +645,8 @@ def dist_part(o, sizes, write):
             row["max_error"] = max(abs(a - b) / max(abs(b), 1.0)
                                    for a, b in zip(row["losses_2"], one))
             row["ok"] = row["max_error"] <= DIST_TOLERANCE
-        write(row)
+        return row
+    each_method({n: functools.partial(compared, n) for n in o.methods}, write)
     if done.returncode:
         raise SystemExit(f"torchrun exited with {done.returncode}")
 
@@ -756,7 +781,7 @@ def run_here(name, o, limit):
     try:
         run_part(argparse.Namespace(**{**vars(o), "part": name}))
         state = "ok"
-    except Exception as error:
+    except (Exception, SystemExit) as error:  # a part that fails ends with SystemExit
         traceback.print_exc()
         state = f"FAILED ({type(error).__name__}: {error})"
     return state, time.perf_counter() - start
@@ -826,7 +851,13 @@ def number(x, digits=1, unit=""):
 
 
 def summary(o, env, status, total):
-    """The Markdown summary of every part's rows."""
+    """The Markdown summary of every part's rows (a method's error row is listed at the end)."""
+    errors = {}  # part and method -> error
+
+    def rows_of(part):
+        rows = read_rows(o.out, part)
+        errors.update({f"{part} {r['method']}": r["error"] for r in rows if "error" in r})
+        return [r for r in rows if "error" not in r]
     device = (f"{env.get('gpu', '?')} ({env.get('memory_gib', 0):.0f} GiB, bf16 "
               f"{'yes' if env.get('bf16') else 'no'})" if o.device == "cuda"
               else f"CPU DRY RUN, no GPU figure ({env.get('cpu', '?')})")
@@ -836,7 +867,7 @@ def summary(o, env, status, total):
              f"{total:.0f} s" + (f" after CUDA's initialisation ({env['cuda_init_s']:.1f} s)."
                                  if "cuda_init_s" in env else ".")]
     sizes = PRESETS[o.preset]
-    rows = read_rows(o.out, "correctness")
+    rows = rows_of("correctness")
     if rows:
         t32, t16 = TOLERANCES["float32"], TOLERANCES["bf16"]
         lines += ["", f"**Correctness**: one step at batch {sizes.check_batch}, ResNet-18 w"
@@ -853,7 +884,7 @@ def summary(o, env, status, total):
                     f"({worst.split()[1]})", result["failed"] or "ok"]
         lines += table(["method", "float32", "verdict", "bf16", "verdict"],
                        [[r["method"], *cells(r["float32"]), *cells(r["bf16"])] for r in rows])
-    rows = read_rows(o.out, "epoch")
+    rows = rows_of("epoch")
     if rows:
         r0 = rows[0]
         lines += ["", f"**Epoch**: {r0['train_images']:,} + {r0['test_images']:,} uint8 images "
@@ -866,15 +897,16 @@ def summary(o, env, status, total):
                          number(r["epoch_img_s"], 0)] for r in rows])
     for part, title in (("regions", "Where the time goes"), ("small", "Small batches"),
                         ("compile", "--compile")):
-        rows = read_rows(o.out, part)
+        rows = rows_of(part)
         if not rows:
             continue
-        explained = part != "regions" and read_rows(o.out, "regions")
+        explained = part != "regions" and rows_of("regions")
         lines += ["", f"**{title}**: " + ("columns as above." if explained else
                   "ms per step per region on the device's timeline (CUDA events; on a CPU the "
                   "host's clock); GPU busy: share of wall time with a kernel running "
                   "(profiler); syncs: host-device synchronisations per step in train_step / "
-                  "in the rest of the loop (set_sync_debug_mode)."), ""]
+                  "in the rest of the loop (set_sync_debug_mode); warm-up: main()'s start to "
+                  "the first timed step (model, data, compilation)."), ""]
         header = ["method", "B", "img/s", "wall ms", *REGIONS, "GPU busy", "syncs", "warm-up s"]
         lines += table(header, [[r["method"], r["batch"], number(r["img_s"], 0),
                                  number(r["step_ms"]),
@@ -890,7 +922,7 @@ def summary(o, env, status, total):
         if sites:
             lines += ["", "Sync sites: " + ", ".join(f"{s} ({n})" for s, n in
                                                      sorted(sites.items(), key=lambda kv: -kv[1]))]
-    rows = read_rows(o.out, "dist")
+    rows = rows_of("dist")
     if rows:
         lines += ["", f"**2 processes** vs 1, float32: global loss of the first "
                   f"{sizes.dist_steps} steps, relative error (tolerance {DIST_TOLERANCE:g}).", ""]
@@ -898,9 +930,10 @@ def summary(o, env, status, total):
                        [[r["method"], "n/a" if "max_error" not in r else f"{r['max_error']:.1e}",
                          "ok" if r.get("ok") else "FAILED", number(r.get("knn_top1"))]
                         for r in rows])
-    rows = read_rows(o.out, "tests")
+    rows = rows_of("tests")
     lines += ["", "Parts:", ""]
     lines += [f"- {name}: {state}, {seconds:.0f} s" for name, (state, seconds) in status.items()]
+    lines += [f"- FAILED {where}: {error}" for where, error in errors.items()]
     if rows:
         lines.append(f"- pytest: {rows[0]['last_line']}")
     return "\n".join(lines) + "\n"
