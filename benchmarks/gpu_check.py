@@ -104,7 +104,7 @@ PRESETS = {  # full: a CUDA GPU; dry: the CPU dry run (minutes); tiny: the test 
     "tiny": Sizes(4, 8, 8, 64, 32, 16, (8,), 1, 1, 1, 0, 64, 16, 2, SMALL),
 }
 # part -> the seconds it may take at the full sizes (x4 on the CPU); all but OPTIONAL: the check
-PARTS = {"correctness": 75, "regions": 50, "small": 40, "epoch": 130,
+PARTS = {"correctness": 70, "regions": 50, "small": 45, "epoch": 130,
          "compile": 300, "dist": 180, "tests": 900}
 OPTIONAL = ("compile", "dist", "tests")
 
