@@ -738,6 +738,10 @@ def parse_args(argv=None):
     a("--part", choices=list(PART_FUNCTIONS), help=argparse.SUPPRESS)  # one part, in this process
     o = p.parse_args(argv)
     o.preset = o.preset or ("full" if o.device == "cuda" else "dry")
+    if o.compile and o.device == "cpu" and PRESETS[o.preset].width < 8:
+        # seen with torch 2.11 and 2.14: 4 channels at 8 px corrupt the heap (plain torch.compile)
+        p.error(f"--compile on the CPU: inductor's CPU kernels crash at the {o.preset} preset's "
+                f"width {PRESETS[o.preset].width}; use --preset dry")
     o.checked = o.checked or list(CHECKED)
     o.out = o.out or os.path.join(ROOT, "runs", time.strftime("gpu_check-%Y%m%d-%H%M%S"))
     o.out = os.path.abspath(o.out)
