@@ -558,21 +558,32 @@ def load_data(args, ctx, crops=2):
     return data
 
 
+# A node whose gloo cannot reach the others (wrong interface: GLOO_SOCKET_IFNAME) fails after
+# CONNECT_TIMEOUT; the others wait up to DOWNLOAD_TIMEOUT for the slowest node's download.
+CONNECT_TIMEOUT = datetime.timedelta(minutes=5)
+DOWNLOAD_TIMEOUT = datetime.timedelta(hours=6)
+
+
 def torchvision_split(args, ctx, limit, **split):
     """CIFAR/STL-10 as uint8 (N, 3, S, S) and labels on the device. Each node's first process
-    downloads (no shared file system needed); then every rank learns whether every node has the
-    data, on a gloo group whose time-out outlasts a slow download, and all stop together if not."""
+    downloads (no shared file system needed; into a shared --data-dir one node at a time, under
+    its file lock); then every rank learns whether every node has the data, and all stop together
+    if not. Their gloo group connects before the download, so a node that cannot reach the others
+    fails within CONNECT_TIMEOUT, not after the DOWNLOAD_TIMEOUT a slow download may take."""
     cls = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100,
            "stl10": torchvision.datasets.STL10}[args.dataset]
+    group = data_group(ctx) if ctx.world > 1 else None
     ready = torch.ones(1)
     if ctx.local_rank == 0:
-        try:
-            cls(args.data_dir, download=True, **split)
-        except Exception:  # URLError, RuntimeError("Dataset not found or corrupted"), ...
-            ready.zero_()
-    if ctx.world > 1:
-        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6))
+        with data_dir_lock(args.data_dir):
+            try:
+                cls(args.data_dir, download=True, **split)
+            except Exception:  # URLError, RuntimeError("Dataset not found or corrupted"), ...
+                ready.zero_()
+    if group is not None:  # a barrier with its own time-out: the group's is CONNECT_TIMEOUT
+        dist.monitored_barrier(group, timeout=DOWNLOAD_TIMEOUT)
         dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
+        dist.destroy_process_group(group)
     if not ready.item():
         raise UserError(f"no {args.dataset} in {args.data_dir} and it could not be downloaded; "
                         f"put {cls.filename} or its extracted {cls.base_folder}/ there")
@@ -581,6 +592,39 @@ def torchvision_split(args, ctx, limit, **split):
     images = images.permute(0, 3, 1, 2) if images.shape[-1] == 3 else images  # CIFAR is NHWC
     labels = torch.as_tensor(dataset.labels if hasattr(dataset, "labels") else dataset.targets)
     return images[:limit].contiguous().to(ctx.device), labels[:limit].long().to(ctx.device)
+
+
+def data_group(ctx):
+    """A gloo group of every process (the data's flags are CPU tensors), connected now: one error
+    line if some process cannot be reached within CONNECT_TIMEOUT."""
+    try:
+        group = dist.new_group(backend="gloo", timeout=CONNECT_TIMEOUT)
+        dist.barrier(group=group)
+    except RuntimeError as error:  # DistStoreError, gloo's connect and time-out errors
+        raise UserError(f"the {ctx.world} processes did not all connect over gloo within "
+                        f"{CONNECT_TIMEOUT.total_seconds():g} s to prepare the data "
+                        f"({' '.join(str(error).split())[:120]}); on several nodes set "
+                        f"GLOO_SOCKET_IFNAME to the network interface they reach each other on") \
+            from None
+    return group
+
+
+@contextlib.contextmanager
+def data_dir_lock(folder):
+    """An exclusive lock (fcntl.flock) on FOLDER/.download.lock while the block runs: nodes that
+    share --data-dir download and extract into it one at a time, the later ones finding the files
+    and only checking them. No lock where the file cannot be made (a read-only folder) or the
+    file system has no flock (Lustre without its flock option)."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        lock = open(os.path.join(folder, ".download.lock"), "a")
+    except OSError:
+        yield
+        return
+    with lock:  # closing the file releases the lock
+        with contextlib.suppress(OSError):
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 HOLD_LIMIT = 16 * 2 ** 30  # bytes: a larger image folder streams, on every machine alike
