@@ -1,5 +1,27 @@
-"""Shared infrastructure, no algorithm: command line, run folder, processes and gathers, ResNets,
-data on the device (or streamed), batched augmentation, kNN and linear probes, exact checkpoints."""
+"""Shared infrastructure for the four method files; no loss, head or training step lives here.
+
+Part 1, what the methods build on (read it next to a method file):
+  processes and gathers         Context, gather_with_grad (an all-gather whose backward hands each
+                                rank its rows' gradient), gather, all_reduce_sum, GatherBatchNorm,
+                                sync_batchnorm, distribute, float32
+  ResNet                        torchvision's blocks and names at any width; CIFAR stem <= 64 px
+  augmentation                  Recipe, Augment (per-sample parameters, batched on the device),
+                                then its ops in the order it applies them: sample_crop_boxes,
+                                resized_crop_flip, colour_jitter (four ops, a random order per
+                                image), gaussian_blur, solarize, normalize
+  data order and batches        epoch_generators, train_batches
+  evaluation                    extract_features, knn_accuracy, linear_probe (this project's fast
+                                probe), linear_probe_augmented (the authors' LINEAR_PROTOCOLS),
+                                OnlineProbe (solo-learn's), evaluate
+  learning rate and optimisers  learning_rate, LARS, pretraining_optimizer
+Part 2, plumbing that changes nothing a method computes:
+  errors and signals            UserError, run (one `error:` line; Ctrl-C: how to resume)
+  command line and resume       add_common_args, parse_args, saved_options, setup
+  epoch log                     EpochMeter, check_finite, log_epoch
+  run folder and checkpoints    hold_run_folder (the lock), write_atomic, start_run,
+                                save_checkpoint, load_checkpoint, finish
+  data loading and checks       load_data, torchvision_split, image_folder, ImageFiles, decode
+"""
 import argparse
 import atexit
 import contextlib
@@ -37,276 +59,10 @@ from tqdm import tqdm
 # Python's exit ("terminate called without an active exception"). Never import it after setup().
 
 
-class UserError(Exception):
-    """A problem the user can fix: printed as one line, exit status 2, no traceback."""
-
-
-class Interrupted(BaseException):
-    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt (no `except
-    Exception` swallows either)."""
-
-
-def run(main):
-    """Call `main()`. A UserError becomes one `error:` line on stderr and exit status 2; Ctrl-C
-    (SIGINT) or SIGTERM one line naming the epoch and --resume, exit status 130 or 143 (128 +
-    the signal), on every rank; running out of memory one `error:` line."""
-    RUNNING.update(pid=os.getpid(), signal=None)
-    handlers = {signum: signal.signal(signum, on_signal)
-                for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        main()
-    except UserError as error:
-        if rank_of_process() != 0:  # rank 0 says what every rank usually met, and torchrun then
-            try:  # stops the others (SIGTERM); a rank that met an error alone says it after a while
-                time.sleep(10)
-            except (KeyboardInterrupt, Interrupted):
-                sys.exit(128 + RUNNING["signal"])
-        # raised in a DataLoader worker, the message is the worker's traceback: its last line
-        say("error", str(error).strip().splitlines()[-1].split("UserError: ")[-1])
-        sys.exit(2)
-    except BaseException as error:
-        if RUNNING["signal"]:  # met mid-collective, it can surface as the peer's closed socket
-            if rank_of_process() == 0:  # one line: Ctrl-C and torchrun signal every rank alike
-                say(None, f"interrupted {where_the_run_stands()}")
-            sys.exit(128 + RUNNING["signal"])
-        if dist.is_initialized() and re.search(r"Connection (reset|closed) by peer", str(error)):
-            if rank_of_process() == 0:  # (the others: rank 0, or torchrun, says what happened)
-                say("error", f"another process of this run has ended, so this one stops "
-                             f"{where_the_run_stands()}")
-            sys.exit(1)
-        if isinstance(error, torch.OutOfMemoryError) or "DefaultCPUAllocator" in str(error):
-            asked = re.search(r"[Tt]ried to allocate ([\d.]+ \w+)", str(error))
-            where = "GPU" if isinstance(error, torch.OutOfMemoryError) else "host"
-            asked = f" (tried to allocate {asked[1]})" if asked else ""
-            say("error", f"out of {where} memory{asked}; lower --width or --batch-size (a "
-                         f"checkpoint.pt written before is kept)")
-            sys.exit(2)
-        raise
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-RUNNING = {"pid": None, "signal": None}  # run()'s process (not a DataLoader worker), its signal
-
-
-def on_signal(signum, frame):
-    """Ctrl-C or SIGTERM in run()'s process: an exception, which run() turns into one line."""
-    if os.getpid() != RUNNING["pid"]:  # a DataLoader worker, forked with this handler: its loop
-        raise KeyboardInterrupt  # ends quietly on Ctrl-C (torch's own handler ends it on SIGTERM)
-    RUNNING["signal"] = signum
-    # workers killed by the same SIGTERM (Slurm signals every process) are expected now: torch's
-    # SIGCHLD handler would raise about them as the DataLoader shuts down
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # (not SIG_DFL: Python warns if one is due)
-    raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted
-
-
-def rank_of_process():
-    return int(os.environ.get("RANK", 0))
-
-
-def say(kind, message):
-    """One line on stderr, after closing the progress bar of an epoch it interrupts."""
-    for bar in list(tqdm._instances):
-        bar.close()
-    rank = rank_of_process()
-    prefix = f"{kind}{f' (rank {rank})' if rank else ''}: " if kind else ""
-    print(prefix + message, file=sys.stderr, flush=True)
-
-
-# ------------------------------------------------------------------------------ command line
-def checked(convert, test, what):
-    """An argparse type: `convert` the text, refused unless `test` passes ("must be `what`")."""
-    def parse(text):
-        if not test(convert(text)):
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
-        return convert(text)
-    parse.__name__ = convert.__name__  # argparse's "invalid int value: 'x'"
-    return parse
-
-
-positive_int = checked(int, lambda n: n >= 1, "a positive integer")
-non_negative_int = checked(int, lambda n: n >= 0, "0 or a positive integer")
-positive_float = checked(float, lambda x: 0 < x < math.inf, "a positive number")
-non_negative_float = checked(float, lambda x: 0 <= x < math.inf, "0 or a positive number")
-seed_value = checked(int, lambda s: 0 <= s < 2 ** 32, "in [0, 2^32)")
-momentum_value = checked(float, lambda m: 0 <= m < 1, "in [0, 1)")  # EMA: t <- m t + (1 - m) o
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """--help keeps the usage docstring's layout and shows every default."""
-
-
-def add_common_args(parser):
-    """The shared options; each method file sets its own batch, epochs, lr, wd, warm-up, crop."""
-    a = parser.add_argument
-    a("--dataset", choices=["cifar10", "cifar100", "stl10", "imagefolder"], default="cifar10",
-      help="imagefolder reads DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*")
-    a("--data-dir", default="./data", help="where the data set is (CIFAR/STL-10 download here)")
-    a("--image-size", type=positive_int, help="default: 32 CIFAR, 96 STL-10, 224 imagefolder")
-    a("--stream", action="store_true", help="imagefolder: decode in DataLoader workers every "
-      "epoch (automatic unless each split's images share one size, at most 16 GiB in all)")
-    a("--workers", type=non_negative_int, default=min(8, os.cpu_count() or 1), help="decoders")
-    a("--limit-train", type=positive_int, help="use only N training images: the first N "
-      "(imagefolder: N spread over its class folders)")
-    a("--arch", choices=["resnet18", "resnet34", "resnet50"], default="resnet18", help="backbone")
-    a("--width", type=positive_int, default=64, help="base channel count (64 = standard ResNet)")
-    a("--epochs", type=non_negative_int, help="pre-training epochs (0: evaluate the untrained net)")
-    a("--batch-size", type=positive_int, help="global batch, split evenly across processes")
-    a("--lr", type=positive_float, help="base learning rate per 256 images (lr = LR * batch / 256)")
-    a("--wd", type=non_negative_float, help="weight decay")
-    a("--warmup-epochs", type=non_negative_int, help="linear learning-rate warm-up epochs")
-    a("--optimizer", choices=["sgd", "lars"], default="sgd", help="pre-training: SGD momentum "
-      "0.9, or LARS (common.LARS; batch-norm and bias parameters without weight decay and trust "
-      "ratio)")
-    a("--lars-eta", type=positive_float, default=0.001,
-      help="LARS trust coefficient eta (0.001: SimCLR's lars_optimizer.py)")
-    a("--lars-clip", action=argparse.BooleanOptionalAction, default=False,
-      help="LARS: a tensor's lr never exceeds the scheduled lr (solo-learn's clip_lr)")
-    a("--crop-scale", type=float, nargs=2, metavar=("MIN", "MAX"), help="random crop's area range")
-    a("--out", help="run folder (default runs/<script>-<time>-<process id>)")
-    a("--resume", metavar="RUN", help="continue RUN bit-for-bit, or evaluate a finished RUN again")
-    a("--stop-after", type=positive_int, help="end after that many epochs in all (then --resume)")
-    a("--eval-every", type=positive_int, default=10, help="kNN monitor every N epochs (and last)")
-    a("--knn-k", type=positive_int, default=200, help="neighbours of the kNN monitor")
-    a("--knn-t", type=positive_float, default=0.1, help="temperature of the weighted kNN vote")
-    a("--online-probe", action=argparse.BooleanOptionalAction, default=False,
-      help="solo-learn's online linear classifier on the training views' detached features")
-    a("--linear-protocol", choices=list(LINEAR_PROTOCOLS), default="fixed", help="the final "
-      "linear probe on the frozen backbone: fixed = this project's fast probe, AdamW on fixed "
-      "standardised features; gsg-cifar = GSG Sec. 5.1, SGD lr 30, 90 epochs, cosine; moco = "
-      "MoCo's main_lincls.py, SGD lr 30, 100 epochs, x0.1 at 60 and 80; simsiam-imagenet = "
-      "SimSiam's and GSG's main_lincls.py --lars, LARS lr 0.1 per 256, batch 4096, 90 epochs, "
-      "cosine (the last three on crop+flip views)")
-    a("--linear-epochs", type=non_negative_int,
-      help="probe epochs (None: the protocol's; 0: no probe)")
-    a("--linear-lr", type=positive_float, help="probe lr per 256 images (None: the protocol's)")
-    a("--linear-batch", type=positive_int, help="probe batch (None: the protocol's)")
-    a("--seed", type=seed_value, default=0, help="seed of model init, data order, augmentation")
-    a("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-      help="cuda, cuda:N or cpu (under torchrun, cuda means cuda:LOCAL_RANK)")
-    a("--amp", action=argparse.BooleanOptionalAction, help="bf16 autocast (default: native bf16)")
-    a("--compile", action=argparse.BooleanOptionalAction, default=False,
-      help="torch.compile the model (one process only)")
-
-
-# The options --resume may change; every other one comes from the run's config.json.
-RESUMABLE = {"resume", "device", "data_dir", "workers", "stop_after", "eval_every", "compile",
-             "amp", "knn_k", "knn_t", "linear_protocol", "linear_epochs", "linear_lr",
-             "linear_batch"}
-
-
-def parse_args(parser, argv, script):
-    """A new run gets a fresh --out (a folder holding a run is refused); --resume RUN takes RUN's
-    config.json, checked as the command line is and changed only by the options in RESUMABLE."""
-    args = check_crop_scale(parser.parse_args(argv))
-    if args.resume is None:
-        # the process id keeps apart runs started in the same second (rank 0's names the folder)
-        default = f"{script}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        args.out = args.out or os.path.join("runs", default)
-        if os.path.exists(args.out) and not os.path.isdir(args.out):
-            raise UserError(f"--out {args.out} is a file; choose a folder")
-        refuse_a_held_folder(args.out)  # checked again under the folder's lock (start_run)
-        PROGRESS.update(out=args.out, epochs=args.epochs, epoch=None, saved=None, resume=False)
-        return args
-    run = os.path.dirname(args.resume) if args.resume.endswith(".pt") else args.resume
-    path = os.path.join(run, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
-        raise UserError(f"--resume {run}: no readable config.json there; give a run folder of "
-                        f"this project") from None
-    if not isinstance(config, dict) or not isinstance(config.get("args"), dict):
-        raise UserError(f"{path} holds no \"args\" object: it is damaged or not from this "
-                        f"project; restore it from a copy, or start a new --out")
-    if config.get("script") != script:
-        raise UserError(f"--resume {run}: that run was made by {config.get('script')}.py, not "
-                        f"{script}.py; start a new --out")
-    saved = saved_options(parser, config["args"], path)
-    parser.set_defaults(**saved)  # the options not typed again take the run's values
-    args = parser.parse_args(argv)
-    if os.path.normpath(args.out) not in map(os.path.normpath, (run, saved.get("out", run))):
-        raise UserError(f"--resume {run} writes into {run}; drop --out {args.out}")
-    for key, value in vars(args).items():
-        value = json.loads(json.dumps(value))  # tuples -> lists, as saved
-        if key in saved and key not in RESUMABLE | {"out"} and value != saved[key]:
-            raise UserError(f"run {run} was trained with --{key.replace('_', '-')} {saved[key]}, "
-                            f"not {value}; drop that option to continue it, or start a new --out")
-    args.out = run
-    PROGRESS.update(out=run, epochs=args.epochs, epoch=None, saved=None, resume=True)
-    return args
-
-
-def check_crop_scale(args):
-    if args.crop_scale and not 0 < args.crop_scale[0] <= args.crop_scale[1] <= 1:
-        raise UserError(f"--crop-scale {' '.join(map(str, args.crop_scale))}: need 0 < MIN <= MAX "
-                        f"<= 1")
-    return args
-
-
-# What a run records in config.json's "args" beside its options, and a resume keeps: the
-# image-folder path load_data chose (held on the device or streamed).
-RECORDED = {"data_path": ("held", "streamed")}
-
-
-def saved_options(parser, saved, path):
-    """A run's saved options (config.json's "args"), checked as the command line checks them:
-    each is written back as its option and read by `parser` (types, ranges, choices), and must
-    read back as saved -> {dest: value}. A missing option is an error, not today's default."""
-    actions = [a for a in parser._actions if a.option_strings and a.dest not in ("help", "resume")]
-    unknown = sorted(set(saved) - {a.dest for a in actions} - {"resume"} - set(RECORDED))
-    if unknown:
-        names = ", ".join(f"--{dest.replace('_', '-')}" for dest in unknown)
-        raise UserError(f"{path} has options this script does not know ({names}); remove them, "
-                        f"or start a new --out")
-    for key, choices in RECORDED.items():
-        if key in saved and saved[key] not in choices:
-            raise UserError(f"{path}: {key} is {json.dumps(saved[key])}; it must be one of "
-                            f"{', '.join(choices)}, or start a new --out")
-    argv = []
-    for action in actions:
-        option = action.option_strings[0]
-        if action.dest not in saved:
-            raise UserError(f"{path} has no {option}: add the value that run was trained with "
-                            f"(\"{action.dest}\": ...), or start a new --out")
-        value = saved[action.dest]
-        if value is None and action.default is None:
-            continue  # not given, as when the run began
-        if action.nargs == 0:  # a switch: --symmetric, or --amp / --no-amp
-            if not isinstance(value, bool):
-                raise UserError(f"{path}: {option} is {json.dumps(value)}; it must be true or "
-                                f"false")
-            negative = [f"--no-{option[2:]}"] if len(action.option_strings) == 2 else []
-            argv += [option] if value else negative
-        elif action.nargs is not None:
-            values = value if isinstance(value, list) else [value]
-            argv += [option, *(json.dumps(v) if not isinstance(v, str) else v for v in values)]
-        else:
-            argv.append(f"{option}={value if isinstance(value, str) else json.dumps(value)}")
-    def refuse(message):  # argparse's error(), which would print the usage and exit
-        raise UserError(f"{path} fails the command line's check: {message}; correct it, or start "
-                        f"a new --out")
-
-    error, parser.error = parser.error, refuse
-    try:
-        parsed = vars(check_crop_scale(parser.parse_args(argv)))
-    except UserError as e:  # the crop check names the option, not the file
-        raise UserError(str(e) if str(e).startswith(path) else f"{path}: {e}") from None
-    finally:
-        parser.error = error
-    for action in actions:
-        value = json.loads(json.dumps(parsed[action.dest]))  # tuples -> lists, as saved
-        if value != saved[action.dest]:
-            raise UserError(f"{path}: {action.option_strings[0]} is "
-                            f"{json.dumps(saved[action.dest])}, which the command line reads as "
-                            f"{json.dumps(value)}; write it so, or start a new --out")
-    return dict(saved)
-
-
-# ------------------------------------------------------------------------------ processes
+# ==================================================================================================
+# Part 1: what the methods build on
+# ==================================================================================================
+# ---------------------------------------------------------------------------- processes and gathers
 @dataclass
 class Context:
     rank: int
@@ -322,32 +78,6 @@ class Context:
     def print(self, text):
         if self.rank == 0:
             tqdm.write(text)
-
-
-def setup(args):
-    """This process's device and torchrun's process group; cuDNN autotuner on, no TF32 matmuls."""
-    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if args.batch_size % world or args.batch_size // world < 2:
-        raise UserError(f"--batch-size {args.batch_size} must be a multiple of the {world} "
-                        f"processes with at least 2 images per process")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
-        raise UserError(f"--device {args.device}: use cuda, cuda:N or cpu")
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        count = torch.cuda.device_count()
-        if device.index is None:  # torchrun: a GPU per local rank; or the one GPU a process sees
-            device = torch.device("cuda", local_rank if count > 1 else 0)
-        if device.index >= count:
-            raise UserError(f"--device {device}, but {count} CUDA GPU(s) are visible here")
-        torch.cuda.set_device(device)
-        torch.backends.cudnn.benchmark = True
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None)
-    amp = device.type == "cuda" and (args.amp if args.amp is not None else
-                                     torch.cuda.is_bf16_supported(including_emulation=False))
-    return Context(rank, world, local_rank, device, args.out, amp)
 
 
 def rank():
@@ -463,7 +193,7 @@ def float32(t):
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-# ------------------------------------------------------------------------------ ResNet
+# ------------------------------------------------------------------------------------------- ResNet
 class ResNet(nn.Module):
     """ResNet-18/34/50 backbone: image (B, 3, S, S) -> features (B, out_dim), no classifier.
     Written out, not torchvision's class, so that `width` (--width) can shrink every layer; its
@@ -505,350 +235,7 @@ class ResNet(nn.Module):
         return torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
 
 
-# ------------------------------------------------------------------------------ data
-STATS = {"cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-         "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
-         "stl10": ((0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)),
-         "imagefolder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))}
-
-
-@dataclass
-class Data:
-    """The pre-training set and two evaluation splits, labels -1 where unlabelled. On the device:
-    `train` uint8 (N, 3, H, W), the splits (images, labels), eval_train sharing train's tensor
-    where they are the same images; `whole`: image-folder files as decoded, evaluated through
-    eval_view (else H = W = S, evaluated as held). Streaming: ImageFiles that workers decode."""
-    train: object
-    train_labels: torch.Tensor
-    eval_train: object
-    eval_test: object
-    num_classes: int
-    image_size: int
-    mean: tuple
-    std: tuple
-    streaming: bool = False
-    whole: bool = False
-
-    def __len__(self):
-        return len(self.train_labels)
-
-
-def load_data(args, ctx, crops=2):
-    """--dataset as Data; `crops`: random crops per image that a streaming train set makes.
-    Records the path taken in args.data_path, "held" or "streamed" (config.json), which a resumed
-    run's args bring back to image_folder."""
-    mean, std = STATS[args.dataset]
-    size = {"cifar10": 32, "cifar100": 32, "stl10": 96}.get(args.dataset, args.image_size or 224)
-    if args.dataset == "imagefolder":
-        data = image_folder(args, ctx, size, mean, std, crops)
-    elif args.image_size not in (None, size):
-        raise UserError(f"--image-size {args.image_size}: {args.dataset} images are {size} px")
-    elif args.dataset == "stl10":  # pre-train on train+unlabeled, evaluate on the labelled splits
-        train = torchvision_split(args, ctx, args.limit_train, split="train+unlabeled")
-        data = Data(*train, torchvision_split(args, ctx, args.limit_train, split="train"),
-                    torchvision_split(args, ctx, None, split="test"), 10, size, mean, std)
-    else:
-        train = torchvision_split(args, ctx, args.limit_train, train=True)
-        data = Data(*train, train, torchvision_split(args, ctx, None, train=False),
-                    100 if args.dataset == "cifar100" else 10, size, mean, std)
-    if len(data) < args.batch_size:
-        raise UserError(f"--batch-size {args.batch_size} is more than the {len(data)} training "
-                        f"images; use a smaller batch")
-    args.data_path = "streamed" if data.streaming else "held"
-    return data
-
-
-# A node whose gloo cannot reach the others (wrong interface: GLOO_SOCKET_IFNAME) fails after
-# CONNECT_TIMEOUT; the others wait up to DOWNLOAD_TIMEOUT for the slowest node's download.
-CONNECT_TIMEOUT = datetime.timedelta(minutes=5)
-DOWNLOAD_TIMEOUT = datetime.timedelta(hours=6)
-
-
-def torchvision_split(args, ctx, limit, **split):
-    """CIFAR/STL-10 as uint8 (N, 3, S, S) and labels on the device. Each node's first process
-    downloads (no shared file system needed; into a shared --data-dir one node at a time, under
-    its file lock); then every rank learns whether every node has the data, and all stop together
-    if not. Their gloo group connects before the download, so a node that cannot reach the others
-    fails within CONNECT_TIMEOUT, not after the DOWNLOAD_TIMEOUT a slow download may take."""
-    cls = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100,
-           "stl10": torchvision.datasets.STL10}[args.dataset]
-    group = data_group(ctx) if ctx.world > 1 else None
-    ready = torch.ones(1)
-    if ctx.local_rank == 0:
-        with data_dir_lock(args.data_dir):
-            try:
-                cls(args.data_dir, download=True, **split)
-            except Exception:  # URLError, RuntimeError("Dataset not found or corrupted"), ...
-                ready.zero_()
-    if group is not None:  # a barrier with its own time-out: the group's is CONNECT_TIMEOUT
-        dist.monitored_barrier(group, timeout=DOWNLOAD_TIMEOUT)
-        dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
-        dist.destroy_process_group(group)
-    if not ready.item():
-        raise UserError(f"no {args.dataset} in {args.data_dir} and it could not be downloaded; "
-                        f"put {cls.filename} or its extracted {cls.base_folder}/ there")
-    dataset = cls(args.data_dir, download=False, **split)
-    images = torch.as_tensor(dataset.data)
-    images = images.permute(0, 3, 1, 2) if images.shape[-1] == 3 else images  # CIFAR is NHWC
-    labels = torch.as_tensor(dataset.labels if hasattr(dataset, "labels") else dataset.targets)
-    return images[:limit].contiguous().to(ctx.device), labels[:limit].long().to(ctx.device)
-
-
-def data_group(ctx):
-    """A gloo group of every process (the data's flags are CPU tensors), connected now: one error
-    line if some process cannot be reached within CONNECT_TIMEOUT."""
-    try:
-        group = dist.new_group(backend="gloo", timeout=CONNECT_TIMEOUT)
-        dist.barrier(group=group)
-    except RuntimeError as error:  # DistStoreError, gloo's connect and time-out errors
-        raise UserError(f"the {ctx.world} processes did not all connect over gloo within "
-                        f"{CONNECT_TIMEOUT.total_seconds():g} s to prepare the data "
-                        f"({' '.join(str(error).split())[:120]}); on several nodes set "
-                        f"GLOO_SOCKET_IFNAME to the network interface they reach each other on") \
-            from None
-    return group
-
-
-@contextlib.contextmanager
-def data_dir_lock(folder):
-    """An exclusive lock (fcntl.flock) on FOLDER/.download.lock while the block runs: nodes that
-    share --data-dir download and extract into it one at a time, the later ones finding the files
-    and only checking them. No lock where the file cannot be made (a read-only folder) or the
-    file system has no flock (Lustre without its flock option)."""
-    try:
-        os.makedirs(folder, exist_ok=True)
-        lock = open(os.path.join(folder, ".download.lock"), "a")
-    except OSError:
-        yield
-        return
-    with lock:  # closing the file releases the lock
-        with contextlib.suppress(OSError):
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
-HOLD_LIMIT = 16 * 2 ** 30  # bytes: a larger image folder streams, on every machine alike
-
-
-def image_folder(args, ctx, size, mean, std, crops):
-    """DATA_DIR/train and val as Data: held on the device where that loses nothing (one size per
-    split, so the files are kept whole and RandomResizedCrop samples the full image, as in the
-    workers; at most HOLD_LIMIT bytes), else streamed. Only the data and --stream choose, never
-    the free memory; a resumed run takes the path in its args.data_path."""
-    folders = {}
-    for split in ("train", "val"):
-        root = os.path.join(args.data_dir, split)
-        if not os.path.isdir(root):
-            raise UserError(f"imagefolder: {root} does not exist; --data-dir needs train/ and "
-                            f"val/ folders with one subfolder of images per class")
-        refuse_repeated_files(root)
-        try:
-            folders[split] = torchvision.datasets.ImageFolder(root)
-        except (FileNotFoundError, RuntimeError) as error:
-            raise UserError(f"imagefolder: {root} has no images in class folders ({error})") \
-                from None
-        if len(folders[split].classes) < 2:
-            raise UserError(f"imagefolder: {root} has {len(folders[split].classes)} class "
-                            f"folder(s); kNN and linear evaluation need at least 2")
-    if folders["train"].classes != folders["val"].classes:
-        only = sorted(set(folders["train"].classes) ^ set(folders["val"].classes))
-        raise UserError(f"imagefolder: train/ and val/ need the same class folders; "
-                        f"{', '.join(only[:5])}{' ...' if len(only) > 5 else ''} only in one")
-    train, val = folders["train"].samples, folders["val"].samples
-    if args.limit_train and args.limit_train < len(train):  # spread over the class by class list
-        train = [train[i * len(train) // args.limit_train] for i in range(args.limit_train)]
-    labels = [torch.tensor([y for _, y in s], device=ctx.device) for s in (train, val)]
-    classes = len(folders["train"].classes)
-    path = getattr(args, "data_path", None) or ("streamed" if args.stream else None)
-    shapes = None if path == "streamed" else whole_shapes(train, val, ctx)
-    if path == "held" and shapes is None:
-        raise UserError(f"--resume: the run held {args.data_dir} whole on the device, but its "
-                        f"images now differ in size (or exceed {HOLD_LIMIT >> 30} GiB); "
-                        f"restore the folder or start a new --out")
-    if shapes is None:
-        return Data(ImageFiles(train, size, crops, args.crop_scale), labels[0],
-                    ImageFiles(train, size), ImageFiles(val, size), classes, size, mean, std,
-                    streaming=True)
-    need, free = decoded_bytes(train, val, shapes), free_memory(ctx)
-    if need > free:
-        raise UserError(f"imagefolder: its images, held whole, need {need / 2 ** 30:.2f} GiB on "
-                        f"{ctx.device}, {free / 2 ** 30:.2f} GiB are free; add --stream (the "
-                        f"workers then decode it every epoch)")
-    images = decode(train, shapes[0], args.workers, ctx)  # once: pre-training and kNN share it
-    return Data(images, labels[0], (images, labels[0]),
-                (decode(val, shapes[1], args.workers, ctx), labels[1]), classes, size, mean, std,
-                whole=True)
-
-
-def whole_shapes(train, val, ctx):
-    """(H, W) of train's images and of val's, where each split's files share one size and the
-    two splits, decoded whole, take at most HOLD_LIMIT bytes; else None. Sizes come from the
-    files' headers, each rank reading a share; a file PIL cannot open is left to decode(), which
-    names it."""
-    shapes = []
-    for samples in (train, val):
-        share, sizes = -(-len(samples) // ctx.world), set()
-        for path, _ in samples[ctx.rank * share:(ctx.rank + 1) * share]:
-            try:
-                with Image.open(path) as image:
-                    sizes.add(image.size[::-1])  # PIL: (width, height)
-            except Exception:  # any decoder error: decode() names the file
-                continue
-            if len(sizes) > 1:  # mixed sizes (ImageNet): known after a few files
-                break
-        found = [sizes] * ctx.world
-        if ctx.world > 1:
-            dist.all_gather_object(found, sizes)
-        sizes = set().union(*found)
-        if len(sizes) != 1:
-            return None
-        shapes.append(sizes.pop())
-    return shapes if decoded_bytes(train, val, shapes) <= HOLD_LIMIT else None
-
-
-def decoded_bytes(train, val, shapes):
-    return sum(len(samples) * 3 * h * w for samples, (h, w) in zip((train, val), shapes))
-
-
-def free_memory(ctx):
-    """Bytes free on the device (CPU: host memory shared by this node's processes), the least
-    over all ranks."""
-    if ctx.device.type == "cuda":
-        free = torch.cuda.mem_get_info(ctx.device)[0]
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        free //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if ctx.world > 1:  # one decision for all ranks: each sees its own free memory
-        free = torch.tensor(free, device=ctx.device)
-        dist.all_reduce(free, op=dist.ReduceOp.MIN)
-    return int(free)
-
-
-def eval_size(size):
-    """The side that evaluation resizes to before its centre S x S crop: S / 0.875 above 64 px
-    (ImageNet's 256 for 224), S for small images (CIFAR-sized folders: the crop of today)."""
-    return round(size / 0.875) if size > 64 else size
-
-
-def eval_view(images, size):
-    """uint8 (..., 3, H, W) -> the evaluation view (..., 3, S, S): the shorter side resized to
-    eval_size(S), antialiased, then the centre S x S (torchvision's Resize + CenterCrop)."""
-    return TF.center_crop(TF.resize(images, [eval_size(size)], antialias=True), [size])
-
-
-def refuse_repeated_files(root):
-    """ImageFolder follows links: a link loop (`ln -s . train/bag/loop`) or a second link to one
-    folder or image would count its images again, silently. Walk `root` as it does and stop with
-    one line naming the link where a folder or an image is met a second time."""
-    def identity(path):
-        stat = os.stat(path)
-        return stat.st_dev, stat.st_ino
-
-    folders, linked, stack = {}, {}, [root]  # folders: identity -> the path it was met at
-    while stack:
-        folder = stack.pop()
-        if identity(folder) in folders:  # name the link of the two paths
-            first = folders[identity(folder)]
-            link, other = (first, folder) if os.path.islink(first) else (folder, first)
-            raise UserError(f"imagefolder: {link} leads to {other} again (a link loop, or two "
-                            f"links to one folder): its images would count twice; remove the link")
-        folders[identity(folder)] = folder
-        with contextlib.suppress(OSError), os.scandir(folder) as entries:
-            for entry in entries:
-                if entry.is_dir():  # through links, as ImageFolder's walk goes
-                    stack.append(entry.path)
-                elif entry.is_symlink() and entry.name.lower().endswith(IMG_EXTENSIONS):
-                    linked.setdefault(os.path.realpath(entry.path), []).append(entry.path)
-    for target, links in linked.items():  # an image met twice: two links, or a link and the file
-        if os.path.exists(target) and (len(links) > 1 or
-                                       identity(os.path.dirname(target)) in folders):
-            raise UserError(f"imagefolder: {links[-1]} links to {target}, which the folder "
-                            f"holds already; remove that link")
-
-
-class ImageFiles(torch.utils.data.Dataset):
-    """(path, label) list -> uint8 (3, S, S), the evaluation view (eval_view); with `crops`,
-    uint8 (crops, 3, S, S), RandomResizedCrop + flip of the full image (the streaming train set:
-    cropping in the workers keeps full-size images off the device; colour runs there batched);
-    with `whole`, the image as decoded, uint8 (3, H, W) (decode())."""
-
-    def __init__(self, samples, size, crops=0, scale=(0.08, 1.0), whole=False):
-        self.samples, self.crops, self.seed = samples, crops, 0
-        self.fixed = T.PILToTensor() if whole else T.Compose([
-            T.PILToTensor(), T.Resize(eval_size(size), antialias=True), T.CenterCrop(size)])
-        self.random = T.Compose([T.PILToTensor(), T.RandomHorizontalFlip(),
-                                 T.RandomResizedCrop(size, tuple(scale), antialias=True)]) \
-            if crops else None
-
-    def __len__(self):
-        return len(self.samples)
-
-    def __getitem__(self, i):
-        path, label = self.samples[i]
-        try:
-            with Image.open(path) as image:
-                if image.mode[0] in "IF":  # I;16, I, F: convert("RGB") would clip them to 8 bits
-                    raise UserError(f"image {path} is {image.mode} (16-bit or float); convert "
-                                    f"it to 8 bits per channel")
-                image = image.convert("RGB")
-        except UserError:
-            raise
-        except Exception as error:  # OSError, and the SyntaxError, ValueError, ... of damaged files
-            raise UserError(f"unreadable image {path} ({type(error).__name__}); remove or "
-                            f"replace it") from None
-        if not self.crops:
-            return self.fixed(image), label
-        with torch.random.fork_rng(devices=[]):  # the crops depend on (epoch seed, image) only:
-            torch.manual_seed(self.seed + i)  # whichever rank or worker loads it, or a resumed run
-            return torch.stack([self.random(image) for _ in range(self.crops)]), label
-
-
-def decode(samples, shape, workers, ctx):
-    """Image files of one size, shape = (H, W) -> uint8 (N, 3, H, W) whole, on every rank, each
-    rank decoding its share."""
-    share = -(-len(samples) // ctx.world)
-    mine = ImageFiles(samples[ctx.rank * share:(ctx.rank + 1) * share], None, whole=True)
-    parts, error = [], ""
-    try:
-        parts = [x for x, _ in torch.utils.data.DataLoader(mine, 256, num_workers=workers)]
-    except UserError as e:
-        error = str(e)
-    errors = [error] * ctx.world
-    if ctx.world > 1:  # every rank stops at an unreadable file, not in a broken all_gather
-        dist.all_gather_object(errors, error)
-    if any(errors):
-        raise UserError(next(e for e in errors if e))
-    images = torch.cat(parts + [torch.zeros(share - len(mine), 3, *shape, dtype=torch.uint8)])
-    return gather(images.to(ctx.device))[:len(samples)]  # padded: all_gather needs equal shares
-
-
-def epoch_generators(seed, epoch, device):
-    """This epoch's generators from (seed, epoch), so a resumed run draws as an uninterrupted one:
-    data order and pairings on the CPU (CUDA's random kernels depend on the GPU model), and one
-    for augmentation on the device."""
-    seed = 2 * (seed * 100003 + epoch)
-    return torch.Generator().manual_seed(seed), torch.Generator(device).manual_seed(seed + 1)
-
-
-def train_batches(data, batch_size, generator, ctx, workers=0):
-    """This rank's slice of each global batch of one epoch: (images, labels), uint8 (b, 3, S, S)
-    on the device, or (b, crops, 3, S, S) pre-cropped when streaming. The order comes from
-    `generator` (CPU), seeded alike everywhere: rank r takes rows [r*b, (r+1)*b) of the batch."""
-    b, steps = batch_size // ctx.world, len(data) // batch_size
-    perm = torch.randperm(len(data), generator=generator)[:steps * batch_size]
-    mine = perm.view(steps, ctx.world, b)[:, ctx.rank].flatten()  # (steps * b,)
-    if not data.streaming:
-        for rows in mine.to(ctx.device).view(steps, b):  # no batch at all when steps is 0
-            yield data.train[rows], data.train_labels[rows]
-        return
-    data.train.seed = int(torch.randint(2 ** 62, (1,), generator=generator))  # this epoch's crops
-    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(data.train, mine.tolist()), b,
-                                         num_workers=workers, pin_memory=ctx.device.type == "cuda")
-    for views, labels in loader:
-        yield views.to(ctx.device, non_blocking=True), labels.to(ctx.device, non_blocking=True)
-
-
-# ------------------------------------------------------------------------------ augmentation
+# ------------------------------------------------------------------------------------- augmentation
 @dataclass
 class Recipe:
     """One view's augmentation: which ops, their strengths and probabilities."""
@@ -865,6 +252,88 @@ class Recipe:
     blur_p: float = 0.0
     blur_sigma: tuple = (0.1, 2.0)
     solarize_p: float = 0.0
+
+
+class Augment:
+    """Batched augmentation on the device, a Recipe per view, with random parameters per sample
+    (transforms.v2 on a batch draws one set for all), drawn for the global batch from a generator
+    seeded alike on every rank: each rank keeps its rows, so N processes augment as one does."""
+
+    def __init__(self, recipes, size, mean, std, ctx):
+        self.recipes, self.size, self.ctx = recipes, size, ctx
+        self.mean, self.std = (torch.tensor(t, device=ctx.device) for t in (mean, std))
+
+    def __call__(self, x, generator):
+        """uint8 (b, 3, H, W), or (b, V, 3, S, S) pre-cropped -> list of V normalised views."""
+        return [self.view(x[:, v] if x.dim() == 5 else x, recipe, generator, crop=x.dim() == 4)
+                for v, recipe in enumerate(self.recipes)]
+
+    def view(self, image, r, generator, crop=True):
+        b, start = image.shape[0], self.ctx.rank * image.shape[0]
+
+        def rand(shape):  # uniforms for the global batch; this rank's rows
+            shape = (b * self.ctx.world,) + ((shape,) if isinstance(shape, int) else shape)[1:]
+            full = torch.rand(shape, generator=generator, device=generator.device)
+            return full[start:start + b].to(self.ctx.device)
+
+        def where(p, y, x):  # y for the samples drawn with probability p, else x
+            return torch.where((rand(b) < p).view(-1, 1, 1, 1), y, x)
+
+        x = image.float() / 255
+        if crop:
+            box = sample_crop_boxes(rand, b, x.shape[2], x.shape[3], r.crop_scale, r.crop_ratio)
+            x = resized_crop_flip(x, *box, rand(b) < r.flip_p, self.size)
+        if any(r.jitter):
+            jitter = rand(b) < r.jitter_p  # drawn before the factors
+            factors = [1 - s + 2 * s * rand(b) for s in r.jitter[:3]]
+            hue = r.jitter[3] * (2 * rand(b) - 1) if r.jitter[3] > 0 else None
+            # (b, 4): each image's own order of the four ops, as ColorJitter's randperm(4)
+            order = rand((b, 4)).argsort(1) if r.jitter_order == "random" else None
+            x = torch.where(jitter.view(-1, 1, 1, 1), colour_jitter(x, *factors, hue, order), x)
+        if r.gray_p > 0:
+            x = where(r.gray_p, grayscale(x).expand_as(x), x)
+        if r.blur_p > 0:
+            sigma = r.blur_sigma[0] + (r.blur_sigma[1] - r.blur_sigma[0]) * rand(b)
+            kernel = (self.size // 10) | 1  # odd, about 10% of the image (SimCLR's 23 px at 224)
+            x = where(r.blur_p, gaussian_blur(x, sigma, kernel), x)
+        if r.solarize_p > 0:
+            x = where(r.solarize_p, solarize(x), x)
+        return normalize(x, self.mean, self.std)
+
+
+def sample_crop_boxes(rand, n, height, width, scale, ratio, tries=10):
+    """RandomResizedCrop's box sampler, batched -> top, left, h, w as (n,) float tensors. As in
+    torchvision: of `tries` draws of (area, log-ratio) the first that fits wins, else a centre
+    crop with the ratio clamped into range. `rand(shape)` gives uniforms in [0, 1)."""
+    area = height * width * (scale[0] + (scale[1] - scale[0]) * rand((n, tries)))
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    aspect = torch.exp(log_lo + (log_hi - log_lo) * rand((n, tries)))
+    w, h = torch.round(torch.sqrt(area * aspect)), torch.round(torch.sqrt(area / aspect))
+    fits = (w > 0) & (h > 0) & (w <= width) & (h <= height)
+    first = fits.float().argmax(1, keepdim=True)  # the first draw that fits
+    w, h, found = w.gather(1, first)[:, 0], h.gather(1, first)[:, 0], fits.any(1)
+    fw, fh = width, height  # the fallback: the whole image, cut to the nearest allowed ratio
+    if width / height < ratio[0]:
+        fh = round(width / ratio[0])
+    elif width / height > ratio[1]:
+        fw = round(height * ratio[1])
+    w, h = torch.where(found, w, float(fw)), torch.where(found, h, float(fh))
+    u, v = rand((n,)), rand((n,))
+    top = torch.where(found, torch.floor(u * (height - h + 1)), torch.floor((height - h) / 2))
+    left = torch.where(found, torch.floor(v * (width - w + 1)), torch.floor((width - w) / 2))
+    return top, left, h, w
+
+
+def resized_crop_flip(x, top, left, h, w, flip, size):
+    """Crop each sample's box, resize it to `size` bilinearly and mirror it where `flip`, in one
+    grid_sample. The affine map sends the output's [-1, 1] square onto the box; with
+    align_corners=False it samples where torchvision's resized_crop (no antialias) samples."""
+    B, _, H, W = x.shape
+    zero = torch.zeros_like(w)
+    theta = torch.stack([torch.where(flip, -w / W, w / W), zero, (2 * left + w) / W - 1,
+                         zero, h / H, (2 * top + h) / H - 1], 1).view(B, 2, 3).to(x)
+    grid = F.affine_grid(theta, (B, 3, size, size), align_corners=False)
+    return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
 
 def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
@@ -938,41 +407,6 @@ def solarize(x, threshold=0.5):
     return torch.where(x >= threshold, 1 - x, x)
 
 
-def sample_crop_boxes(rand, n, height, width, scale, ratio, tries=10):
-    """RandomResizedCrop's box sampler, batched -> top, left, h, w as (n,) float tensors. As in
-    torchvision: of `tries` draws of (area, log-ratio) the first that fits wins, else a centre
-    crop with the ratio clamped into range. `rand(shape)` gives uniforms in [0, 1)."""
-    area = height * width * (scale[0] + (scale[1] - scale[0]) * rand((n, tries)))
-    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-    aspect = torch.exp(log_lo + (log_hi - log_lo) * rand((n, tries)))
-    w, h = torch.round(torch.sqrt(area * aspect)), torch.round(torch.sqrt(area / aspect))
-    fits = (w > 0) & (h > 0) & (w <= width) & (h <= height)
-    first = fits.float().argmax(1, keepdim=True)  # the first draw that fits
-    w, h, found = w.gather(1, first)[:, 0], h.gather(1, first)[:, 0], fits.any(1)
-    fw, fh = width, height  # the fallback: the whole image, cut to the nearest allowed ratio
-    if width / height < ratio[0]:
-        fh = round(width / ratio[0])
-    elif width / height > ratio[1]:
-        fw = round(height * ratio[1])
-    w, h = torch.where(found, w, float(fw)), torch.where(found, h, float(fh))
-    u, v = rand((n,)), rand((n,))
-    top = torch.where(found, torch.floor(u * (height - h + 1)), torch.floor((height - h) / 2))
-    left = torch.where(found, torch.floor(v * (width - w + 1)), torch.floor((width - w) / 2))
-    return top, left, h, w
-
-
-def resized_crop_flip(x, top, left, h, w, flip, size):
-    """Crop each sample's box, resize it to `size` bilinearly and mirror it where `flip`, in one
-    grid_sample. The affine map sends the output's [-1, 1] square onto the box; with
-    align_corners=False it samples where torchvision's resized_crop (no antialias) samples."""
-    B, _, H, W = x.shape
-    zero = torch.zeros_like(w)
-    theta = torch.stack([torch.where(flip, -w / W, w / W), zero, (2 * left + w) / W - 1,
-                         zero, h / H, (2 * top + h) / H - 1], 1).view(B, 2, 3).to(x)
-    grid = F.affine_grid(theta, (B, 3, size, size), align_corners=False)
-    return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
-
-
 def normalize(x, mean, std):
     """Images in [0, 1] (B, 3, H, W) -> standardised per channel (channels_last on CUDA)."""
     mean = torch.as_tensor(mean, device=x.device).view(1, 3, 1, 1)
@@ -980,116 +414,46 @@ def normalize(x, mean, std):
     return x.contiguous(memory_format=torch.channels_last) if x.is_cuda else x
 
 
-class Augment:
-    """Batched augmentation on the device, a Recipe per view, with random parameters per sample
-    (transforms.v2 on a batch draws one set for all), drawn for the global batch from a generator
-    seeded alike on every rank: each rank keeps its rows, so N processes augment as one does."""
-
-    def __init__(self, recipes, size, mean, std, ctx):
-        self.recipes, self.size, self.ctx = recipes, size, ctx
-        self.mean, self.std = (torch.tensor(t, device=ctx.device) for t in (mean, std))
-
-    def __call__(self, x, generator):
-        """uint8 (b, 3, H, W), or (b, V, 3, S, S) pre-cropped -> list of V normalised views."""
-        return [self.view(x[:, v] if x.dim() == 5 else x, recipe, generator, crop=x.dim() == 4)
-                for v, recipe in enumerate(self.recipes)]
-
-    def view(self, image, r, generator, crop=True):
-        b, start = image.shape[0], self.ctx.rank * image.shape[0]
-
-        def rand(shape):  # uniforms for the global batch; this rank's rows
-            shape = (b * self.ctx.world,) + ((shape,) if isinstance(shape, int) else shape)[1:]
-            full = torch.rand(shape, generator=generator, device=generator.device)
-            return full[start:start + b].to(self.ctx.device)
-
-        def where(p, y, x):  # y for the samples drawn with probability p, else x
-            return torch.where((rand(b) < p).view(-1, 1, 1, 1), y, x)
-
-        x = image.float() / 255
-        if crop:
-            box = sample_crop_boxes(rand, b, x.shape[2], x.shape[3], r.crop_scale, r.crop_ratio)
-            x = resized_crop_flip(x, *box, rand(b) < r.flip_p, self.size)
-        if any(r.jitter):
-            jitter = rand(b) < r.jitter_p  # drawn before the factors
-            factors = [1 - s + 2 * s * rand(b) for s in r.jitter[:3]]
-            hue = r.jitter[3] * (2 * rand(b) - 1) if r.jitter[3] > 0 else None
-            # (b, 4): each image's own order of the four ops, as ColorJitter's randperm(4)
-            order = rand((b, 4)).argsort(1) if r.jitter_order == "random" else None
-            x = torch.where(jitter.view(-1, 1, 1, 1), colour_jitter(x, *factors, hue, order), x)
-        if r.gray_p > 0:
-            x = where(r.gray_p, grayscale(x).expand_as(x), x)
-        if r.blur_p > 0:
-            sigma = r.blur_sigma[0] + (r.blur_sigma[1] - r.blur_sigma[0]) * rand(b)
-            kernel = (self.size // 10) | 1  # odd, about 10% of the image (SimCLR's 23 px at 224)
-            x = where(r.blur_p, gaussian_blur(x, sigma, kernel), x)
-        if r.solarize_p > 0:
-            x = where(r.solarize_p, solarize(x), x)
-        return normalize(x, self.mean, self.std)
+# --------------------------------------------------------------------------- data order and batches
+def epoch_generators(seed, epoch, device):
+    """This epoch's generators from (seed, epoch), so a resumed run draws as an uninterrupted one:
+    data order and pairings on the CPU (CUDA's random kernels depend on the GPU model), and one
+    for augmentation on the device."""
+    seed = 2 * (seed * 100003 + epoch)
+    return torch.Generator().manual_seed(seed), torch.Generator(device).manual_seed(seed + 1)
 
 
-# ------------------------------------------------------------------------------ optimisers
-class LARS(torch.optim.Optimizer):
-    """SGD with momentum and LARS's layer-wise trust ratio (You et al. 2017), per parameter tensor:
-
-        g' = g + wd * w,   r = eta * ||w|| / ||g'||   (r = 1 where ||w|| or ||g'|| is 0)
-        with `clip`: r = min(r / lr, 1)   (the tensor's lr eta ||w|| / ||g'|| never exceeds lr)
-        buf <- momentum * buf + r * g',   w <- w - lr * buf
-
-    r as google-research/simclr lars_optimizer.py lines 98-110 (eta 0.001, its line 26; the LARS
-    paper and solo-learn's solo/utils/lars.py line 142 divide by ||g|| + wd ||w|| instead); the
-    clip and the momentum, lr outside the buffer, as solo-learn's lars.py lines 145-165 and torch's
-    SGD. A group with adapt=False takes plain SGD steps (r = 1): see optimizer_groups."""
-
-    def __init__(self, params, lr, momentum=0.9, weight_decay=0.0, eta=0.001, clip=False):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                      eta=eta, clip=clip, adapt=True))
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for w in (w for w in group["params"] if w.grad is not None):
-                g = w.grad.add(w, alpha=group["weight_decay"])
-                r = torch.ones((), device=w.device)
-                if group["adapt"]:  # tensors, not Python floats: no wait for the device
-                    w_norm, g_norm = torch.linalg.vector_norm(w), torch.linalg.vector_norm(g)
-                    trust = group["eta"] * w_norm / g_norm
-                    if group["clip"]:
-                        trust = (trust / group["lr"]).clamp(max=1)
-                    r = torch.where((w_norm > 0) & (g_norm > 0), trust, r)
-                buf = self.state[w].setdefault("momentum_buffer", torch.zeros_like(w))
-                buf.mul_(group["momentum"]).add_(r * g)
-                w.add_(buf, alpha=-group["lr"])
+def train_batches(data, batch_size, generator, ctx, workers=0):
+    """This rank's slice of each global batch of one epoch: (images, labels), uint8 (b, 3, S, S)
+    on the device, or (b, crops, 3, S, S) pre-cropped when streaming. The order comes from
+    `generator` (CPU), seeded alike everywhere: rank r takes rows [r*b, (r+1)*b) of the batch."""
+    b, steps = batch_size // ctx.world, len(data) // batch_size
+    perm = torch.randperm(len(data), generator=generator)[:steps * batch_size]
+    mine = perm.view(steps, ctx.world, b)[:, ctx.rank].flatten()  # (steps * b,)
+    if not data.streaming:
+        for rows in mine.to(ctx.device).view(steps, b):  # no batch at all when steps is 0
+            yield data.train[rows], data.train_labels[rows]
+        return
+    data.train.seed = int(torch.randint(2 ** 62, (1,), generator=generator))  # this epoch's crops
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(data.train, mine.tolist()), b,
+                                         num_workers=workers, pin_memory=ctx.device.type == "cuda")
+    for views, labels in loader:
+        yield views.to(ctx.device, non_blocking=True), labels.to(ctx.device, non_blocking=True)
 
 
-def optimizer_groups(groups, lars):
-    """Parameters (or param-group dicts) -> param groups. For LARS, each group's batch-norm and bias
-    parameters (the 1-D tensors) go into a group of their own without weight decay or trust ratio,
-    as SimCLR (tf2/model.py lines 36-41: exclude_from_weight_decay=['batch_normalization', 'bias'],
-    also for the adaptation) and solo-learn (lars.py line 140, exclude_bias_n_norm) do."""
-    groups = list(groups)
-    groups = groups if isinstance(groups[0], dict) else [{"params": groups}]
-    if not lars:
-        return groups
-    split = []
-    for group in groups:
-        params = list(group["params"])
-        split.append({**group, "params": [p for p in params if p.ndim > 1]})
-        split.append({**group, "params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0,
-                      "adapt": False})
-    return [group for group in split if group["params"]]
+# --------------------------------------------------------------------------------------- evaluation
+def eval_size(size):
+    """The side that evaluation resizes to before its centre S x S crop: S / 0.875 above 64 px
+    (ImageNet's 256 for 224), S for small images (CIFAR-sized folders: the crop of today)."""
+    return round(size / 0.875) if size > 64 else size
 
 
-def pretraining_optimizer(groups, args, ctx, lr):
-    """--optimizer: SGD momentum 0.9 with weight decay on every parameter (as the authors' SGD
-    runs), or LARS (--lars-eta, --lars-clip) without it on batch-norm and bias parameters."""
-    if args.optimizer == "lars":
-        return LARS(optimizer_groups(groups, lars=True), lr, 0.9, args.wd, args.lars_eta,
-                    args.lars_clip)
-    return torch.optim.SGD(optimizer_groups(groups, lars=False), lr=lr, momentum=0.9,
-                           weight_decay=args.wd, fused=ctx.device.type == "cuda")
+def eval_view(images, size):
+    """uint8 (..., 3, H, W) -> the evaluation view (..., 3, S, S): the shorter side resized to
+    eval_size(S), antialiased, then the centre S x S (torchvision's Resize + CenterCrop)."""
+    return TF.center_crop(TF.resize(images, [eval_size(size)], antialias=True), [size])
 
 
-# ------------------------------------------------------------------------------ evaluation
 @torch.no_grad()
 def extract_features(backbone, split, data, ctx, workers=0, unit=True):
     """Features (L2-normalised if `unit`) of un-augmented images, ranks sharing the work, gathered
@@ -1338,7 +702,7 @@ def evaluate(backbone, data, ctx, args, final=False, probe=None):
     return result
 
 
-# ------------------------------------------------------------------------------ training loop
+# --------------------------------------------------------------------- learning rate and optimisers
 def learning_rate(step, total_steps, warmup_steps, peak, schedule="cosine"):
     """Linear warm-up to `peak`, then cosine decay to 0 (or constant)."""
     if step < warmup_steps:
@@ -1349,6 +713,377 @@ def learning_rate(step, total_steps, warmup_steps, peak, schedule="cosine"):
     return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+class LARS(torch.optim.Optimizer):
+    """SGD with momentum and LARS's layer-wise trust ratio (You et al. 2017), per parameter tensor:
+
+        g' = g + wd * w,   r = eta * ||w|| / ||g'||   (r = 1 where ||w|| or ||g'|| is 0)
+        with `clip`: r = min(r / lr, 1)   (the tensor's lr eta ||w|| / ||g'|| never exceeds lr)
+        buf <- momentum * buf + r * g',   w <- w - lr * buf
+
+    r as google-research/simclr lars_optimizer.py lines 98-110 (eta 0.001, its line 26; the LARS
+    paper and solo-learn's solo/utils/lars.py line 142 divide by ||g|| + wd ||w|| instead); the
+    clip and the momentum, lr outside the buffer, as solo-learn's lars.py lines 145-165 and torch's
+    SGD. A group with adapt=False takes plain SGD steps (r = 1): see optimizer_groups."""
+
+    def __init__(self, params, lr, momentum=0.9, weight_decay=0.0, eta=0.001, clip=False):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                      eta=eta, clip=clip, adapt=True))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for w in (w for w in group["params"] if w.grad is not None):
+                g = w.grad.add(w, alpha=group["weight_decay"])
+                r = torch.ones((), device=w.device)
+                if group["adapt"]:  # tensors, not Python floats: no wait for the device
+                    w_norm, g_norm = torch.linalg.vector_norm(w), torch.linalg.vector_norm(g)
+                    trust = group["eta"] * w_norm / g_norm
+                    if group["clip"]:
+                        trust = (trust / group["lr"]).clamp(max=1)
+                    r = torch.where((w_norm > 0) & (g_norm > 0), trust, r)
+                buf = self.state[w].setdefault("momentum_buffer", torch.zeros_like(w))
+                buf.mul_(group["momentum"]).add_(r * g)
+                w.add_(buf, alpha=-group["lr"])
+
+
+def optimizer_groups(groups, lars):
+    """Parameters (or param-group dicts) -> param groups. For LARS, each group's batch-norm and bias
+    parameters (the 1-D tensors) go into a group of their own without weight decay or trust ratio,
+    as SimCLR (tf2/model.py lines 36-41: exclude_from_weight_decay=['batch_normalization', 'bias'],
+    also for the adaptation) and solo-learn (lars.py line 140, exclude_bias_n_norm) do."""
+    groups = list(groups)
+    groups = groups if isinstance(groups[0], dict) else [{"params": groups}]
+    if not lars:
+        return groups
+    split = []
+    for group in groups:
+        params = list(group["params"])
+        split.append({**group, "params": [p for p in params if p.ndim > 1]})
+        split.append({**group, "params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0,
+                      "adapt": False})
+    return [group for group in split if group["params"]]
+
+
+def pretraining_optimizer(groups, args, ctx, lr):
+    """--optimizer: SGD momentum 0.9 with weight decay on every parameter (as the authors' SGD
+    runs), or LARS (--lars-eta, --lars-clip) without it on batch-norm and bias parameters."""
+    if args.optimizer == "lars":
+        return LARS(optimizer_groups(groups, lars=True), lr, 0.9, args.wd, args.lars_eta,
+                    args.lars_clip)
+    return torch.optim.SGD(optimizer_groups(groups, lars=False), lr=lr, momentum=0.9,
+                           weight_decay=args.wd, fused=ctx.device.type == "cuda")
+
+
+# ==================================================================================================
+# Part 2: plumbing that changes nothing a method computes
+# ==================================================================================================
+# ------------------------------------------------------------------------------- errors and signals
+class UserError(Exception):
+    """A problem the user can fix: printed as one line, exit status 2, no traceback."""
+
+
+class Interrupted(BaseException):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt (no `except
+    Exception` swallows either)."""
+
+
+def run(main):
+    """Call `main()`. A UserError becomes one `error:` line on stderr and exit status 2; Ctrl-C
+    (SIGINT) or SIGTERM one line naming the epoch and --resume, exit status 130 or 143 (128 +
+    the signal), on every rank; running out of memory one `error:` line."""
+    RUNNING.update(pid=os.getpid(), signal=None)
+    handlers = {signum: signal.signal(signum, on_signal)
+                for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        main()
+    except UserError as error:
+        if rank_of_process() != 0:  # rank 0 says what every rank usually met, and torchrun then
+            try:  # stops the others (SIGTERM); a rank that met an error alone says it after a while
+                time.sleep(10)
+            except (KeyboardInterrupt, Interrupted):
+                sys.exit(128 + RUNNING["signal"])
+        # raised in a DataLoader worker, the message is the worker's traceback: its last line
+        say("error", str(error).strip().splitlines()[-1].split("UserError: ")[-1])
+        sys.exit(2)
+    except BaseException as error:
+        if RUNNING["signal"]:  # met mid-collective, it can surface as the peer's closed socket
+            if rank_of_process() == 0:  # one line: Ctrl-C and torchrun signal every rank alike
+                say(None, f"interrupted {where_the_run_stands()}")
+            sys.exit(128 + RUNNING["signal"])
+        if dist.is_initialized() and re.search(r"Connection (reset|closed) by peer", str(error)):
+            if rank_of_process() == 0:  # (the others: rank 0, or torchrun, says what happened)
+                say("error", f"another process of this run has ended, so this one stops "
+                             f"{where_the_run_stands()}")
+            sys.exit(1)
+        if isinstance(error, torch.OutOfMemoryError) or "DefaultCPUAllocator" in str(error):
+            asked = re.search(r"[Tt]ried to allocate ([\d.]+ \w+)", str(error))
+            where = "GPU" if isinstance(error, torch.OutOfMemoryError) else "host"
+            asked = f" (tried to allocate {asked[1]})" if asked else ""
+            say("error", f"out of {where} memory{asked}; lower --width or --batch-size (a "
+                         f"checkpoint.pt written before is kept)")
+            sys.exit(2)
+        raise
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+RUNNING = {"pid": None, "signal": None}  # run()'s process (not a DataLoader worker), its signal
+
+
+def on_signal(signum, frame):
+    """Ctrl-C or SIGTERM in run()'s process: an exception, which run() turns into one line."""
+    if os.getpid() != RUNNING["pid"]:  # a DataLoader worker, forked with this handler: its loop
+        raise KeyboardInterrupt  # ends quietly on Ctrl-C (torch's own handler ends it on SIGTERM)
+    RUNNING["signal"] = signum
+    # workers killed by the same SIGTERM (Slurm signals every process) are expected now: torch's
+    # SIGCHLD handler would raise about them as the DataLoader shuts down
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # (not SIG_DFL: Python warns if one is due)
+    raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted
+
+
+def rank_of_process():
+    return int(os.environ.get("RANK", 0))
+
+
+def say(kind, message):
+    """One line on stderr, after closing the progress bar of an epoch it interrupts."""
+    for bar in list(tqdm._instances):
+        bar.close()
+    rank = rank_of_process()
+    prefix = f"{kind}{f' (rank {rank})' if rank else ''}: " if kind else ""
+    print(prefix + message, file=sys.stderr, flush=True)
+
+
+# -------------------------------------------------------------------------- command line and resume
+def checked(convert, test, what):
+    """An argparse type: `convert` the text, refused unless `test` passes ("must be `what`")."""
+    def parse(text):
+        if not test(convert(text)):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return convert(text)
+    parse.__name__ = convert.__name__  # argparse's "invalid int value: 'x'"
+    return parse
+
+
+positive_int = checked(int, lambda n: n >= 1, "a positive integer")
+
+
+non_negative_int = checked(int, lambda n: n >= 0, "0 or a positive integer")
+
+
+positive_float = checked(float, lambda x: 0 < x < math.inf, "a positive number")
+
+
+non_negative_float = checked(float, lambda x: 0 <= x < math.inf, "0 or a positive number")
+
+
+seed_value = checked(int, lambda s: 0 <= s < 2 ** 32, "in [0, 2^32)")
+
+
+momentum_value = checked(float, lambda m: 0 <= m < 1, "in [0, 1)")  # EMA: t <- m t + (1 - m) o
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the usage docstring's layout and shows every default."""
+
+
+def add_common_args(parser):
+    """The shared options; each method file sets its own batch, epochs, lr, wd, warm-up, crop."""
+    a = parser.add_argument
+    a("--dataset", choices=["cifar10", "cifar100", "stl10", "imagefolder"], default="cifar10",
+      help="imagefolder reads DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*")
+    a("--data-dir", default="./data", help="where the data set is (CIFAR/STL-10 download here)")
+    a("--image-size", type=positive_int, help="default: 32 CIFAR, 96 STL-10, 224 imagefolder")
+    a("--stream", action="store_true", help="imagefolder: decode in DataLoader workers every "
+      "epoch (automatic unless each split's images share one size, at most 16 GiB in all)")
+    a("--workers", type=non_negative_int, default=min(8, os.cpu_count() or 1), help="decoders")
+    a("--limit-train", type=positive_int, help="use only N training images: the first N "
+      "(imagefolder: N spread over its class folders)")
+    a("--arch", choices=["resnet18", "resnet34", "resnet50"], default="resnet18", help="backbone")
+    a("--width", type=positive_int, default=64, help="base channel count (64 = standard ResNet)")
+    a("--epochs", type=non_negative_int, help="pre-training epochs (0: evaluate the untrained net)")
+    a("--batch-size", type=positive_int, help="global batch, split evenly across processes")
+    a("--lr", type=positive_float, help="base learning rate per 256 images (lr = LR * batch / 256)")
+    a("--wd", type=non_negative_float, help="weight decay")
+    a("--warmup-epochs", type=non_negative_int, help="linear learning-rate warm-up epochs")
+    a("--optimizer", choices=["sgd", "lars"], default="sgd", help="pre-training: SGD momentum "
+      "0.9, or LARS (common.LARS; batch-norm and bias parameters without weight decay and trust "
+      "ratio)")
+    a("--lars-eta", type=positive_float, default=0.001,
+      help="LARS trust coefficient eta (0.001: SimCLR's lars_optimizer.py)")
+    a("--lars-clip", action=argparse.BooleanOptionalAction, default=False,
+      help="LARS: a tensor's lr never exceeds the scheduled lr (solo-learn's clip_lr)")
+    a("--crop-scale", type=float, nargs=2, metavar=("MIN", "MAX"), help="random crop's area range")
+    a("--out", help="run folder (default runs/<script>-<time>-<process id>)")
+    a("--resume", metavar="RUN", help="continue RUN bit-for-bit, or evaluate a finished RUN again")
+    a("--stop-after", type=positive_int, help="end after that many epochs in all (then --resume)")
+    a("--eval-every", type=positive_int, default=10, help="kNN monitor every N epochs (and last)")
+    a("--knn-k", type=positive_int, default=200, help="neighbours of the kNN monitor")
+    a("--knn-t", type=positive_float, default=0.1, help="temperature of the weighted kNN vote")
+    a("--online-probe", action=argparse.BooleanOptionalAction, default=False,
+      help="solo-learn's online linear classifier on the training views' detached features")
+    a("--linear-protocol", choices=list(LINEAR_PROTOCOLS), default="fixed", help="the final "
+      "linear probe on the frozen backbone: fixed = this project's fast probe, AdamW on fixed "
+      "standardised features; gsg-cifar = GSG Sec. 5.1, SGD lr 30, 90 epochs, cosine; moco = "
+      "MoCo's main_lincls.py, SGD lr 30, 100 epochs, x0.1 at 60 and 80; simsiam-imagenet = "
+      "SimSiam's and GSG's main_lincls.py --lars, LARS lr 0.1 per 256, batch 4096, 90 epochs, "
+      "cosine (the last three on crop+flip views)")
+    a("--linear-epochs", type=non_negative_int,
+      help="probe epochs (None: the protocol's; 0: no probe)")
+    a("--linear-lr", type=positive_float, help="probe lr per 256 images (None: the protocol's)")
+    a("--linear-batch", type=positive_int, help="probe batch (None: the protocol's)")
+    a("--seed", type=seed_value, default=0, help="seed of model init, data order, augmentation")
+    a("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+      help="cuda, cuda:N or cpu (under torchrun, cuda means cuda:LOCAL_RANK)")
+    a("--amp", action=argparse.BooleanOptionalAction, help="bf16 autocast (default: native bf16)")
+    a("--compile", action=argparse.BooleanOptionalAction, default=False,
+      help="torch.compile the model (one process only)")
+
+
+# The options --resume may change; every other one comes from the run's config.json.
+RESUMABLE = {"resume", "device", "data_dir", "workers", "stop_after", "eval_every", "compile",
+             "amp", "knn_k", "knn_t", "linear_protocol", "linear_epochs", "linear_lr",
+             "linear_batch"}
+
+
+def parse_args(parser, argv, script):
+    """A new run gets a fresh --out (a folder holding a run is refused); --resume RUN takes RUN's
+    config.json, checked as the command line is and changed only by the options in RESUMABLE."""
+    args = check_crop_scale(parser.parse_args(argv))
+    if args.resume is None:
+        # the process id keeps apart runs started in the same second (rank 0's names the folder)
+        default = f"{script}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        args.out = args.out or os.path.join("runs", default)
+        if os.path.exists(args.out) and not os.path.isdir(args.out):
+            raise UserError(f"--out {args.out} is a file; choose a folder")
+        refuse_a_held_folder(args.out)  # checked again under the folder's lock (start_run)
+        PROGRESS.update(out=args.out, epochs=args.epochs, epoch=None, saved=None, resume=False)
+        return args
+    run = os.path.dirname(args.resume) if args.resume.endswith(".pt") else args.resume
+    path = os.path.join(run, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
+        raise UserError(f"--resume {run}: no readable config.json there; give a run folder of "
+                        f"this project") from None
+    if not isinstance(config, dict) or not isinstance(config.get("args"), dict):
+        raise UserError(f"{path} holds no \"args\" object: it is damaged or not from this "
+                        f"project; restore it from a copy, or start a new --out")
+    if config.get("script") != script:
+        raise UserError(f"--resume {run}: that run was made by {config.get('script')}.py, not "
+                        f"{script}.py; start a new --out")
+    saved = saved_options(parser, config["args"], path)
+    parser.set_defaults(**saved)  # the options not typed again take the run's values
+    args = parser.parse_args(argv)
+    if os.path.normpath(args.out) not in map(os.path.normpath, (run, saved.get("out", run))):
+        raise UserError(f"--resume {run} writes into {run}; drop --out {args.out}")
+    for key, value in vars(args).items():
+        value = json.loads(json.dumps(value))  # tuples -> lists, as saved
+        if key in saved and key not in RESUMABLE | {"out"} and value != saved[key]:
+            raise UserError(f"run {run} was trained with --{key.replace('_', '-')} {saved[key]}, "
+                            f"not {value}; drop that option to continue it, or start a new --out")
+    args.out = run
+    PROGRESS.update(out=run, epochs=args.epochs, epoch=None, saved=None, resume=True)
+    return args
+
+
+def check_crop_scale(args):
+    if args.crop_scale and not 0 < args.crop_scale[0] <= args.crop_scale[1] <= 1:
+        raise UserError(f"--crop-scale {' '.join(map(str, args.crop_scale))}: need 0 < MIN <= MAX "
+                        f"<= 1")
+    return args
+
+
+# What a run records in config.json's "args" beside its options, and a resume keeps: the
+# image-folder path load_data chose (held on the device or streamed).
+RECORDED = {"data_path": ("held", "streamed")}
+
+
+def saved_options(parser, saved, path):
+    """A run's saved options (config.json's "args"), checked as the command line checks them:
+    each is written back as its option and read by `parser` (types, ranges, choices), and must
+    read back as saved -> {dest: value}. A missing option is an error, not today's default."""
+    actions = [a for a in parser._actions if a.option_strings and a.dest not in ("help", "resume")]
+    unknown = sorted(set(saved) - {a.dest for a in actions} - {"resume"} - set(RECORDED))
+    if unknown:
+        names = ", ".join(f"--{dest.replace('_', '-')}" for dest in unknown)
+        raise UserError(f"{path} has options this script does not know ({names}); remove them, "
+                        f"or start a new --out")
+    for key, choices in RECORDED.items():
+        if key in saved and saved[key] not in choices:
+            raise UserError(f"{path}: {key} is {json.dumps(saved[key])}; it must be one of "
+                            f"{', '.join(choices)}, or start a new --out")
+    argv = []
+    for action in actions:
+        option = action.option_strings[0]
+        if action.dest not in saved:
+            raise UserError(f"{path} has no {option}: add the value that run was trained with "
+                            f"(\"{action.dest}\": ...), or start a new --out")
+        value = saved[action.dest]
+        if value is None and action.default is None:
+            continue  # not given, as when the run began
+        if action.nargs == 0:  # a switch: --symmetric, or --amp / --no-amp
+            if not isinstance(value, bool):
+                raise UserError(f"{path}: {option} is {json.dumps(value)}; it must be true or "
+                                f"false")
+            negative = [f"--no-{option[2:]}"] if len(action.option_strings) == 2 else []
+            argv += [option] if value else negative
+        elif action.nargs is not None:
+            values = value if isinstance(value, list) else [value]
+            argv += [option, *(json.dumps(v) if not isinstance(v, str) else v for v in values)]
+        else:
+            argv.append(f"{option}={value if isinstance(value, str) else json.dumps(value)}")
+    def refuse(message):  # argparse's error(), which would print the usage and exit
+        raise UserError(f"{path} fails the command line's check: {message}; correct it, or start "
+                        f"a new --out")
+
+    error, parser.error = parser.error, refuse
+    try:
+        parsed = vars(check_crop_scale(parser.parse_args(argv)))
+    except UserError as e:  # the crop check names the option, not the file
+        raise UserError(str(e) if str(e).startswith(path) else f"{path}: {e}") from None
+    finally:
+        parser.error = error
+    for action in actions:
+        value = json.loads(json.dumps(parsed[action.dest]))  # tuples -> lists, as saved
+        if value != saved[action.dest]:
+            raise UserError(f"{path}: {action.option_strings[0]} is "
+                            f"{json.dumps(saved[action.dest])}, which the command line reads as "
+                            f"{json.dumps(value)}; write it so, or start a new --out")
+    return dict(saved)
+
+
+def setup(args):
+    """This process's device and torchrun's process group; cuDNN autotuner on, no TF32 matmuls."""
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if args.batch_size % world or args.batch_size // world < 2:
+        raise UserError(f"--batch-size {args.batch_size} must be a multiple of the {world} "
+                        f"processes with at least 2 images per process")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise UserError(f"--device {args.device}: use cuda, cuda:N or cpu")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if device.index is None:  # torchrun: a GPU per local rank; or the one GPU a process sees
+            device = torch.device("cuda", local_rank if count > 1 else 0)
+        if device.index >= count:
+            raise UserError(f"--device {device}, but {count} CUDA GPU(s) are visible here")
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    amp = device.type == "cuda" and (args.amp if args.amp is not None else
+                                     torch.cuda.is_bf16_supported(including_emulation=False))
+    return Context(rank, world, local_rank, device, args.out, amp)
+
+
+# ---------------------------------------------------------------------------------------- epoch log
 class EpochMeter:
     """The epoch's progress bar (this rank's mean loss, lr, images/s; the host syncs only every
     `every` steps) and, from summary(), each scalar's mean over steps and ranks."""
@@ -1402,7 +1137,7 @@ def log_epoch(ctx, record):
                             for k, v in record.items()))
 
 
-# ------------------------------------------------------------------------------ run folder
+# ----------------------------------------------------------------------- run folder and checkpoints
 # Where a run stands, for the line an interrupted run prints: its folder, its epochs, the epoch it
 # is in (None before it starts) and the last epoch its checkpoint.pt holds. Every rank keeps it.
 PROGRESS = {"out": None, "epochs": None, "epoch": None, "saved": None, "resume": False}
@@ -1421,7 +1156,11 @@ def where_the_run_stands():
 
 
 LOCK = ".lock"  # the run folder's lock file, which rank 0 holds (flock) while the run goes on
+
+
 HELD = {}  # (inode, device) of each lock file this process holds -> its open file
+
+
 atexit.register(lambda: [f.close() for f in HELD.values()])  # (the kernel would drop them too)
 
 
@@ -1666,3 +1405,310 @@ def finish(ctx, backbone, results):
     if "linear_top1" in results:
         line += f"  linear probe top-1: {results['linear_top1']:.2f}%"
     ctx.print(f"{line}\nwritten to {path}")
+
+
+# -------------------------------------------------------------------------- data loading and checks
+STATS = {"cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+         "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+         "stl10": ((0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)),
+         "imagefolder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))}
+
+
+@dataclass
+class Data:
+    """The pre-training set and two evaluation splits, labels -1 where unlabelled. On the device:
+    `train` uint8 (N, 3, H, W), the splits (images, labels), eval_train sharing train's tensor
+    where they are the same images; `whole`: image-folder files as decoded, evaluated through
+    eval_view (else H = W = S, evaluated as held). Streaming: ImageFiles that workers decode."""
+    train: object
+    train_labels: torch.Tensor
+    eval_train: object
+    eval_test: object
+    num_classes: int
+    image_size: int
+    mean: tuple
+    std: tuple
+    streaming: bool = False
+    whole: bool = False
+
+    def __len__(self):
+        return len(self.train_labels)
+
+
+def load_data(args, ctx, crops=2):
+    """--dataset as Data; `crops`: random crops per image that a streaming train set makes.
+    Records the path taken in args.data_path, "held" or "streamed" (config.json), which a resumed
+    run's args bring back to image_folder."""
+    mean, std = STATS[args.dataset]
+    size = {"cifar10": 32, "cifar100": 32, "stl10": 96}.get(args.dataset, args.image_size or 224)
+    if args.dataset == "imagefolder":
+        data = image_folder(args, ctx, size, mean, std, crops)
+    elif args.image_size not in (None, size):
+        raise UserError(f"--image-size {args.image_size}: {args.dataset} images are {size} px")
+    elif args.dataset == "stl10":  # pre-train on train+unlabeled, evaluate on the labelled splits
+        train = torchvision_split(args, ctx, args.limit_train, split="train+unlabeled")
+        data = Data(*train, torchvision_split(args, ctx, args.limit_train, split="train"),
+                    torchvision_split(args, ctx, None, split="test"), 10, size, mean, std)
+    else:
+        train = torchvision_split(args, ctx, args.limit_train, train=True)
+        data = Data(*train, train, torchvision_split(args, ctx, None, train=False),
+                    100 if args.dataset == "cifar100" else 10, size, mean, std)
+    if len(data) < args.batch_size:
+        raise UserError(f"--batch-size {args.batch_size} is more than the {len(data)} training "
+                        f"images; use a smaller batch")
+    args.data_path = "streamed" if data.streaming else "held"
+    return data
+
+
+# A node whose gloo cannot reach the others (wrong interface: GLOO_SOCKET_IFNAME) fails after
+# CONNECT_TIMEOUT; the others wait up to DOWNLOAD_TIMEOUT for the slowest node's download.
+CONNECT_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+DOWNLOAD_TIMEOUT = datetime.timedelta(hours=6)
+
+
+def torchvision_split(args, ctx, limit, **split):
+    """CIFAR/STL-10 as uint8 (N, 3, S, S) and labels on the device. Each node's first process
+    downloads (no shared file system needed; into a shared --data-dir one node at a time, under
+    its file lock); then every rank learns whether every node has the data, and all stop together
+    if not. Their gloo group connects before the download, so a node that cannot reach the others
+    fails within CONNECT_TIMEOUT, not after the DOWNLOAD_TIMEOUT a slow download may take."""
+    cls = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100,
+           "stl10": torchvision.datasets.STL10}[args.dataset]
+    group = data_group(ctx) if ctx.world > 1 else None
+    ready = torch.ones(1)
+    if ctx.local_rank == 0:
+        with data_dir_lock(args.data_dir):
+            try:
+                cls(args.data_dir, download=True, **split)
+            except Exception:  # URLError, RuntimeError("Dataset not found or corrupted"), ...
+                ready.zero_()
+    if group is not None:  # a barrier with its own time-out: the group's is CONNECT_TIMEOUT
+        dist.monitored_barrier(group, timeout=DOWNLOAD_TIMEOUT)
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
+        dist.destroy_process_group(group)
+    if not ready.item():
+        raise UserError(f"no {args.dataset} in {args.data_dir} and it could not be downloaded; "
+                        f"put {cls.filename} or its extracted {cls.base_folder}/ there")
+    dataset = cls(args.data_dir, download=False, **split)
+    images = torch.as_tensor(dataset.data)
+    images = images.permute(0, 3, 1, 2) if images.shape[-1] == 3 else images  # CIFAR is NHWC
+    labels = torch.as_tensor(dataset.labels if hasattr(dataset, "labels") else dataset.targets)
+    return images[:limit].contiguous().to(ctx.device), labels[:limit].long().to(ctx.device)
+
+
+def data_group(ctx):
+    """A gloo group of every process (the data's flags are CPU tensors), connected now: one error
+    line if some process cannot be reached within CONNECT_TIMEOUT."""
+    try:
+        group = dist.new_group(backend="gloo", timeout=CONNECT_TIMEOUT)
+        dist.barrier(group=group)
+    except RuntimeError as error:  # DistStoreError, gloo's connect and time-out errors
+        raise UserError(f"the {ctx.world} processes did not all connect over gloo within "
+                        f"{CONNECT_TIMEOUT.total_seconds():g} s to prepare the data "
+                        f"({' '.join(str(error).split())[:120]}); on several nodes set "
+                        f"GLOO_SOCKET_IFNAME to the network interface they reach each other on") \
+            from None
+    return group
+
+
+@contextlib.contextmanager
+def data_dir_lock(folder):
+    """An exclusive lock (fcntl.flock) on FOLDER/.download.lock while the block runs: nodes that
+    share --data-dir download and extract into it one at a time, the later ones finding the files
+    and only checking them. No lock where the file cannot be made (a read-only folder) or the
+    file system has no flock (Lustre without its flock option)."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        lock = open(os.path.join(folder, ".download.lock"), "a")
+    except OSError:
+        yield
+        return
+    with lock:  # closing the file releases the lock
+        with contextlib.suppress(OSError):
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+HOLD_LIMIT = 16 * 2 ** 30  # bytes: a larger image folder streams, on every machine alike
+
+
+def image_folder(args, ctx, size, mean, std, crops):
+    """DATA_DIR/train and val as Data: held on the device where that loses nothing (one size per
+    split, so the files are kept whole and RandomResizedCrop samples the full image, as in the
+    workers; at most HOLD_LIMIT bytes), else streamed. Only the data and --stream choose, never
+    the free memory; a resumed run takes the path in its args.data_path."""
+    folders = {}
+    for split in ("train", "val"):
+        root = os.path.join(args.data_dir, split)
+        if not os.path.isdir(root):
+            raise UserError(f"imagefolder: {root} does not exist; --data-dir needs train/ and "
+                            f"val/ folders with one subfolder of images per class")
+        refuse_repeated_files(root)
+        try:
+            folders[split] = torchvision.datasets.ImageFolder(root)
+        except (FileNotFoundError, RuntimeError) as error:
+            raise UserError(f"imagefolder: {root} has no images in class folders ({error})") \
+                from None
+        if len(folders[split].classes) < 2:
+            raise UserError(f"imagefolder: {root} has {len(folders[split].classes)} class "
+                            f"folder(s); kNN and linear evaluation need at least 2")
+    if folders["train"].classes != folders["val"].classes:
+        only = sorted(set(folders["train"].classes) ^ set(folders["val"].classes))
+        raise UserError(f"imagefolder: train/ and val/ need the same class folders; "
+                        f"{', '.join(only[:5])}{' ...' if len(only) > 5 else ''} only in one")
+    train, val = folders["train"].samples, folders["val"].samples
+    if args.limit_train and args.limit_train < len(train):  # spread over the class by class list
+        train = [train[i * len(train) // args.limit_train] for i in range(args.limit_train)]
+    labels = [torch.tensor([y for _, y in s], device=ctx.device) for s in (train, val)]
+    classes = len(folders["train"].classes)
+    path = getattr(args, "data_path", None) or ("streamed" if args.stream else None)
+    shapes = None if path == "streamed" else whole_shapes(train, val, ctx)
+    if path == "held" and shapes is None:
+        raise UserError(f"--resume: the run held {args.data_dir} whole on the device, but its "
+                        f"images now differ in size (or exceed {HOLD_LIMIT >> 30} GiB); "
+                        f"restore the folder or start a new --out")
+    if shapes is None:
+        return Data(ImageFiles(train, size, crops, args.crop_scale), labels[0],
+                    ImageFiles(train, size), ImageFiles(val, size), classes, size, mean, std,
+                    streaming=True)
+    need, free = decoded_bytes(train, val, shapes), free_memory(ctx)
+    if need > free:
+        raise UserError(f"imagefolder: its images, held whole, need {need / 2 ** 30:.2f} GiB on "
+                        f"{ctx.device}, {free / 2 ** 30:.2f} GiB are free; add --stream (the "
+                        f"workers then decode it every epoch)")
+    images = decode(train, shapes[0], args.workers, ctx)  # once: pre-training and kNN share it
+    return Data(images, labels[0], (images, labels[0]),
+                (decode(val, shapes[1], args.workers, ctx), labels[1]), classes, size, mean, std,
+                whole=True)
+
+
+def whole_shapes(train, val, ctx):
+    """(H, W) of train's images and of val's, where each split's files share one size and the
+    two splits, decoded whole, take at most HOLD_LIMIT bytes; else None. Sizes come from the
+    files' headers, each rank reading a share; a file PIL cannot open is left to decode(), which
+    names it."""
+    shapes = []
+    for samples in (train, val):
+        share, sizes = -(-len(samples) // ctx.world), set()
+        for path, _ in samples[ctx.rank * share:(ctx.rank + 1) * share]:
+            try:
+                with Image.open(path) as image:
+                    sizes.add(image.size[::-1])  # PIL: (width, height)
+            except Exception:  # any decoder error: decode() names the file
+                continue
+            if len(sizes) > 1:  # mixed sizes (ImageNet): known after a few files
+                break
+        found = [sizes] * ctx.world
+        if ctx.world > 1:
+            dist.all_gather_object(found, sizes)
+        sizes = set().union(*found)
+        if len(sizes) != 1:
+            return None
+        shapes.append(sizes.pop())
+    return shapes if decoded_bytes(train, val, shapes) <= HOLD_LIMIT else None
+
+
+def decoded_bytes(train, val, shapes):
+    return sum(len(samples) * 3 * h * w for samples, (h, w) in zip((train, val), shapes))
+
+
+def free_memory(ctx):
+    """Bytes free on the device (CPU: host memory shared by this node's processes), the least
+    over all ranks."""
+    if ctx.device.type == "cuda":
+        free = torch.cuda.mem_get_info(ctx.device)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        free //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if ctx.world > 1:  # one decision for all ranks: each sees its own free memory
+        free = torch.tensor(free, device=ctx.device)
+        dist.all_reduce(free, op=dist.ReduceOp.MIN)
+    return int(free)
+
+
+def refuse_repeated_files(root):
+    """ImageFolder follows links: a link loop (`ln -s . train/bag/loop`) or a second link to one
+    folder or image would count its images again, silently. Walk `root` as it does and stop with
+    one line naming the link where a folder or an image is met a second time."""
+    def identity(path):
+        stat = os.stat(path)
+        return stat.st_dev, stat.st_ino
+
+    folders, linked, stack = {}, {}, [root]  # folders: identity -> the path it was met at
+    while stack:
+        folder = stack.pop()
+        if identity(folder) in folders:  # name the link of the two paths
+            first = folders[identity(folder)]
+            link, other = (first, folder) if os.path.islink(first) else (folder, first)
+            raise UserError(f"imagefolder: {link} leads to {other} again (a link loop, or two "
+                            f"links to one folder): its images would count twice; remove the link")
+        folders[identity(folder)] = folder
+        with contextlib.suppress(OSError), os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.is_dir():  # through links, as ImageFolder's walk goes
+                    stack.append(entry.path)
+                elif entry.is_symlink() and entry.name.lower().endswith(IMG_EXTENSIONS):
+                    linked.setdefault(os.path.realpath(entry.path), []).append(entry.path)
+    for target, links in linked.items():  # an image met twice: two links, or a link and the file
+        if os.path.exists(target) and (len(links) > 1 or
+                                       identity(os.path.dirname(target)) in folders):
+            raise UserError(f"imagefolder: {links[-1]} links to {target}, which the folder "
+                            f"holds already; remove that link")
+
+
+class ImageFiles(torch.utils.data.Dataset):
+    """(path, label) list -> uint8 (3, S, S), the evaluation view (eval_view); with `crops`,
+    uint8 (crops, 3, S, S), RandomResizedCrop + flip of the full image (the streaming train set:
+    cropping in the workers keeps full-size images off the device; colour runs there batched);
+    with `whole`, the image as decoded, uint8 (3, H, W) (decode())."""
+
+    def __init__(self, samples, size, crops=0, scale=(0.08, 1.0), whole=False):
+        self.samples, self.crops, self.seed = samples, crops, 0
+        self.fixed = T.PILToTensor() if whole else T.Compose([
+            T.PILToTensor(), T.Resize(eval_size(size), antialias=True), T.CenterCrop(size)])
+        self.random = T.Compose([T.PILToTensor(), T.RandomHorizontalFlip(),
+                                 T.RandomResizedCrop(size, tuple(scale), antialias=True)]) \
+            if crops else None
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        path, label = self.samples[i]
+        try:
+            with Image.open(path) as image:
+                if image.mode[0] in "IF":  # I;16, I, F: convert("RGB") would clip them to 8 bits
+                    raise UserError(f"image {path} is {image.mode} (16-bit or float); convert "
+                                    f"it to 8 bits per channel")
+                image = image.convert("RGB")
+        except UserError:
+            raise
+        except Exception as error:  # OSError, and the SyntaxError, ValueError, ... of damaged files
+            raise UserError(f"unreadable image {path} ({type(error).__name__}); remove or "
+                            f"replace it") from None
+        if not self.crops:
+            return self.fixed(image), label
+        with torch.random.fork_rng(devices=[]):  # the crops depend on (epoch seed, image) only:
+            torch.manual_seed(self.seed + i)  # whichever rank or worker loads it, or a resumed run
+            return torch.stack([self.random(image) for _ in range(self.crops)]), label
+
+
+def decode(samples, shape, workers, ctx):
+    """Image files of one size, shape = (H, W) -> uint8 (N, 3, H, W) whole, on every rank, each
+    rank decoding its share."""
+    share = -(-len(samples) // ctx.world)
+    mine = ImageFiles(samples[ctx.rank * share:(ctx.rank + 1) * share], None, whole=True)
+    parts, error = [], ""
+    try:
+        parts = [x for x, _ in torch.utils.data.DataLoader(mine, 256, num_workers=workers)]
+    except UserError as e:
+        error = str(e)
+    errors = [error] * ctx.world
+    if ctx.world > 1:  # every rank stops at an unreadable file, not in a broken all_gather
+        dist.all_gather_object(errors, error)
+    if any(errors):
+        raise UserError(next(e for e in errors if e))
+    images = torch.cat(parts + [torch.zeros(share - len(mine), 3, *shape, dtype=torch.uint8)])
+    return gather(images.to(ctx.device))[:len(samples)]  # padded: all_gather needs equal shares
