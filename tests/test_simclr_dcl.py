@@ -41,8 +41,10 @@ def project(z, g):
 
 
 def naive_losses(z1, z2, temperature, loss, sigma=0.5):
-    """EQUATIONS.md section 1, one anchor at a time with explicit index sets -> (2B,): the
-    reference the masked loss must equal."""
+    """The DCL paper's three losses, one anchor at a time with explicit index sets -> (2B,):
+    SimCLR's InfoNCE, the decoupled L_DC of Proposition 2 (the positive left out of the
+    denominator) and L_DCW with the negative von Mises-Fisher weight w = 2 - exp(<z1, z2>/sigma)
+    / E[exp(<z1, z2>/sigma)]. The reference the masked loss must equal."""
     z1, z2 = F.normalize(z1, dim=1), F.normalize(z2, dim=1)
     b = len(z1)
     views = torch.cat([z1, z2])

@@ -1,0 +1,208 @@
+"""README.md states what the code does: the functions its "where each idea lives" table names exist,
+each settings table's values are the parsers' defaults, the linear protocols and the options
+--resume may change are the code's, and its DCLW weight is the one dclw_weights computes."""
+import argparse
+import importlib
+import math
+import os
+import re
+
+import pytest
+import torch
+
+import common
+import nnclr_dcl
+import simclr_dcl
+from helpers import ROOT
+
+SCRIPTS = ("simclr_dcl", "moco_simmoco_simco", "simsiam_byol_gsg", "nnclr_dcl")
+# the paper identities and changes the table must map to code (issue 24), by words of their row
+IDEAS = ("DCL Prop. 2", "DCLW weight", "DT Eq. 4", "DT Eq. 9", "GSG Eq. 6", "NNCLR's support set",
+         "the gather's backward", "GatherBatchNorm", "online linear probe", "LARS",
+         "colour jitter in a random order")
+
+
+def readme():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        return f.read()
+
+
+def section(text, heading):
+    """The text under `heading` (a line starting with it) up to the next heading of its level."""
+    level = heading.split(" ")[0]
+    start = text.index("\n" + heading) + 1
+    after = re.search(rf"^{level} ", text[start + len(heading):], re.MULTILINE)
+    return text[start:start + len(heading) + after.start()] if after else text[start:]
+
+
+def tables(text):
+    """Every markdown table in `text` -> list of (header cells, rows of cells)."""
+    found, rows = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif rows:
+            found.append((rows[0], [r for r in rows[2:]]))  # rows[1] is the |---| line
+            rows = []
+    return found
+
+
+def code_spans(cell):
+    return re.findall(r"`([^`]*)`", cell)
+
+
+def default_args(script):
+    return importlib.import_module(script).parse_args([])
+
+
+# ------------------------------------------------------------------------------ the idea table
+
+def idea_rows():
+    (header, rows), = tables(section(readme(), "## Where each idea lives"))
+    assert header == ["idea", "file", "function"]
+    return rows
+
+
+def test_where_each_idea_lives_has_a_row_per_paper_identity():
+    ideas = [idea for idea, _, _ in idea_rows()]
+    for words in IDEAS:
+        assert any(words in idea for idea in ideas), f"no row for {words!r}"
+
+
+def test_every_file_and_function_the_idea_table_names_exists():
+    for idea, file_cell, function_cell in idea_rows():
+        (file,) = code_spans(file_cell)
+        assert os.path.isfile(os.path.join(ROOT, file)), (idea, file)
+        names = code_spans(function_cell)
+        assert names, idea
+        for name in names:
+            thing = importlib.import_module(file.removesuffix(".py"))
+            for part in name.split("."):  # dotted: a class's method
+                assert hasattr(thing, part), f"{idea!r}: {file} has no {name}"
+                thing = getattr(thing, part)
+            assert callable(thing), (idea, name)
+
+
+# ------------------------------------------------------------------------------ settings tables
+
+def settings_tables():
+    """{script or "common": [(options, values)]} from the Settings section's tables."""
+    found = {}
+    for header, rows in tables(section(readme(), "## Settings")):
+        title = code_spans(header[0])
+        if header[1] != "value" or not header[2].startswith("source") or not title:
+            continue
+        script = "common" if title[0] == "common.py" else title[0].removesuffix(".py")
+        for row in rows:
+            options = re.findall(r"`(--[a-z0-9-]+)`", row[0])
+            values = code_spans(row[1])
+            assert len(options) == len(values), f"{script}: {row[0]} has {len(values)} values"
+            found.setdefault(script, []).extend(zip(options, values))
+    return found
+
+
+def agrees(text, default):
+    """Does the README's value `text` state the parser's `default`?"""
+    if isinstance(default, bool):
+        return text == ("on" if default else "off")
+    if isinstance(default, (list, tuple)):
+        return len(text.split()) == len(default) and all(
+            math.isclose(float(t), d) for t, d in zip(text.split(), default))
+    if isinstance(default, (int, float)):
+        return math.isclose(float(text), default)
+    return text == default
+
+
+def mismatches(stated, args, script):
+    wrong = []
+    for option, text in stated:
+        dest = option[2:].replace("-", "_")
+        assert hasattr(args, dest), f"{script}.py has no option {option}"
+        if not agrees(text, getattr(args, dest)):
+            wrong.append(f"{script}.py {option}: README {text}, parser {getattr(args, dest)!r}")
+    return wrong
+
+
+def test_settings_tables_state_each_scripts_parser_defaults():
+    """Each `--option` row of a script's table is its parse_args([]) default; the common table's
+    rows hold for every script whose own table does not state that option."""
+    stated = settings_tables()
+    assert set(stated) == {"common", *SCRIPTS}
+    wrong = []
+    for script in SCRIPTS:
+        args = default_args(script)
+        own = {option for option, _ in stated[script]}
+        shared = [(o, v) for o, v in stated["common"] if o not in own]
+        wrong += mismatches(stated[script] + shared, args, script)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_default_a_script_sets_is_in_its_settings_table():
+    """A default the script sets (one the shared parser lacks or sets otherwise) has its row, so
+    no setting can be added or changed without the README."""
+    shared = argparse.ArgumentParser()
+    common.add_common_args(shared)
+    base = vars(shared.parse_args([]))
+    stated = settings_tables()
+    for script in SCRIPTS:
+        own = {option[2:].replace("-", "_") for option, _ in stated[script]}
+        for dest, value in vars(default_args(script)).items():
+            if dest == "out" or value is None or value is False:
+                continue  # the run folder's name; options off unless given
+            if dest not in base or base[dest] != value:
+                assert dest in own, f"{script}.py sets --{dest.replace('_', '-')} {value!r}"
+
+
+def test_linear_protocol_table_is_the_codes():
+    (header, rows), = [t for t in tables(section(readme(), "## Settings"))
+                       if t[0][0] == "`--linear-protocol`"]
+    assert header[1:6] == ["optimiser", "lr", "epochs", "batch", "schedule"]
+    assert {code_spans(row[0])[0] for row in rows} == set(common.LINEAR_PROTOCOLS)
+    for row in rows:
+        own = common.LINEAR_PROTOCOLS[code_spans(row[0])[0]]
+        assert row[1] == own["optimizer"], row
+        assert math.isclose(float(row[2]), own["lr"]), row
+        assert (int(row[3]), int(row[4])) == (own["epochs"], own["batch"]), row
+        assert row[5].split(":")[0] == own.get("schedule", "cosine"), row
+
+
+def test_resume_lists_the_options_resume_may_change():
+    text = section(readme(), "## Running it")
+    sentence = text[text.index("changed only by"):text.index("another changed option")]
+    dests = vars(default_args("simclr_dcl"))
+    named = set()
+    for option in re.findall(r"`(--[a-z0-9*-]+)`", sentence):
+        dest = option[2:].replace("-", "_")
+        named |= ({d for d in dests if d.startswith(dest[:-1])} if dest.endswith("*") else {dest})
+    assert named == common.RESUMABLE - {"resume"}
+
+
+# ------------------------------------------------------------------------------ formulas
+
+DCLW_WEIGHT = "w_i = 2 - exp(s_i / sigma) / mean_j exp(s_j / sigma)"
+
+
+def squeeze(text):
+    return " ".join(text.split())
+
+
+def test_readme_formulas_are_the_loss_functions_own():
+    """The README's loss formulas are those the functions' docstrings state (and the identity
+    tests check); DCLW's weight takes the positive pair's cosine s_i, not tau * pos."""
+    text = squeeze(readme())
+    assert "`s_i = <z_i^(1), z_i^(2)>` the cosine" in text
+    assert DCLW_WEIGHT in text and "tau pos_i" not in text
+    assert DCLW_WEIGHT in squeeze(simclr_dcl.dclw_weights.__doc__)
+    assert DCLW_WEIGHT in squeeze(nnclr_dcl.dclw_weights.__doc__)
+    for formula in ("-pos + log(exp(pos) + U", "-pos + log U", "-w_i pos + log U"):
+        assert formula in text and formula in squeeze(simclr_dcl.contrastive_loss.__doc__)
+    eq9 = "L_i = sg(W_i(tau_beta) / W_i(tau_alpha)) * InfoNCE_i(tau_alpha)"
+    mss = importlib.import_module("moco_simmoco_simco")
+    assert eq9 in text and eq9 in squeeze(mss.dual_temperature_loss.__doc__)
+
+
+@pytest.mark.parametrize("sigma", [0.5, 2.0])
+def test_dclw_weight_as_the_readme_writes_it_is_dclw_weights(sigma):
+    s = torch.linspace(-0.9, 0.95, 7, dtype=torch.float64)  # cosines of 7 positive pairs
+    readme_w = 2 - torch.exp(s / sigma) / torch.exp(s / sigma).mean()
+    assert torch.allclose(simclr_dcl.dclw_weights(s, sigma), readme_w, atol=1e-12)
