@@ -340,19 +340,37 @@ def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
     """torchvision's ColorJitter on a batch: four ops, each image with its own factors (B,) and
     its own order of the ops, `order` (B, 4): row i lists image i's ops by index 0 brightness,
     1 contrast, 2 saturation, 3 hue (None: that order for every image). Factor 1 leaves an op's
-    image unchanged (hue: shift 0, or None to skip it)."""
-    ops = (adjust_brightness, adjust_contrast, adjust_saturation, adjust_hue)
-    factors = (brightness, contrast, saturation, hue)
-    order = torch.arange(4, device=x.device).expand(len(x), 4) if order is None else order
-    # at each position every op runs on the whole batch and each image keeps the one it drew
-    # there: 4x the colour arithmetic (under 1% of a CPU step), but no host sync, which grouping
-    # the images by op would need for the group sizes (benchmarks/README.md)
-    for position in range(4):
-        for k, (op, factor) in enumerate(zip(ops, factors)):
-            if factor is not None:
-                takes = (order[:, position] == k).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
-                x = torch.where(takes, op(x, factor), x)
+    image unchanged (hue: shift 0, or None to skip it).
+
+    Brightness, contrast and saturation are each a blend of the image with black, its mean grey
+    or its grey, so each image's ops before hue are three blend slots (a slot an image lacks
+    blends with factor 1: unchanged), then hue once, then three slots for its ops after hue. One
+    code path for every order and no host sync (grouping the images by op would read the group
+    sizes on the host)."""
+    b = len(x)
+    order = torch.arange(4, device=x.device).expand(b, 4) if order is None else order
+    slots = torch.arange(3, device=x.device).expand(b, 3)  # (B, 3)
+    hue_at = (order == 3).int().argmax(1, keepdim=True)  # (B, 1) hue's position in the order
+    before = torch.where(slots < hue_at, order[:, :3], -1)  # (B, 3) ops before hue, -1: none
+    after_at = hue_at + 1 + slots  # (B, 3) the positions after hue
+    after = torch.where(after_at < 4, order.gather(1, after_at.clamp(max=3)), -1)  # (B, 3)
+    factors = torch.stack([brightness, contrast, saturation], 1)  # (B, 3)
+    for op in before.unbind(1):
+        x = blend_op(x, op, factors)
+    x = x if hue is None else adjust_hue(x, hue)
+    for op in after.unbind(1):
+        x = blend_op(x, op, factors)
     return x
+
+
+def blend_op(x, op, factors):
+    """Image i's op op[i] (0 brightness, 1 contrast, 2 saturation, -1 none) with its factor."""
+    grey = grayscale(x)  # (B, 1, H, W)
+    other = torch.where((op == 0).view(-1, 1, 1, 1), 0.0,  # black, mean grey, grey
+                        torch.where((op == 1).view(-1, 1, 1, 1),
+                                    grey.mean(dim=(1, 2, 3), keepdim=True), grey))
+    factor = torch.where(op >= 0, factors.gather(1, op.clamp(min=0)[:, None])[:, 0], 1.0)
+    return blend(x, other, factor)
 
 
 def blend(x, other, factor):
