@@ -71,7 +71,6 @@ def parse_args(argv=None):
 
 
 # ------------------------------------------------------------------------------ model
-
 class Encoder(nn.Module):
     """backbone f (ResNet) + MoCo v2's projector (Linear-ReLU-Linear, no BatchNorm) -> (B, D)."""
 
@@ -125,7 +124,6 @@ class KeyQueue(nn.Module):
 
 
 # ------------------------------------------------------------------------------ loss
-
 def dual_temperature_loss(q, k, tau_alpha=0.1, tau_beta=1.0, queue=None):
     """DT Eq. 9 over this rank's anchors -> (loss, (W(tau_alpha), W(tau_beta))): a scalar, (B,) x 2.
 
@@ -179,7 +177,6 @@ def anchor_weight_stats(w_alpha, w_beta):
 
 
 # ------------------------------------------------------------------------------ training step
-
 def train_step(net, optimizer, views, args, ctx, key_encoder=None, queues=None):
     """One SGD step; returns the loss and (mean W(tau_alpha), mean W(tau_beta), H(r_+)).
 
@@ -240,7 +237,6 @@ def recipes(args):
 
 
 # ------------------------------------------------------------------------------ main loop
-
 def main(argv=None):
     args = parse_args(argv)
     ctx = common.setup(args)  # this process's device; the process group under torchrun

@@ -55,7 +55,6 @@ def parse_args(argv=None):
 
 
 # ------------------------------------------------------------------------------ model
-
 class NNCLR(nn.Module):
     """backbone f + projector g (3 layers) + predictor h (2 layers), as in NNCLR.
 
@@ -89,7 +88,6 @@ class NNCLR(nn.Module):
 
 
 # ------------------------------------------------------------------------------ support set
-
 class SupportSet(nn.Module):
     """NNCLR's support set Q: a FIFO of the last `size` unit projections of the global batch (Q, D).
 
@@ -132,7 +130,6 @@ def nearest_neighbour(z, support_set):
 
 
 # ------------------------------------------------------------------------------ loss
-
 def nnclr_loss(z1, z2, p1, p2, support_set, temperature=0.1, loss="dcl", sigma=0.5,
                reduction="mean"):
     """NNCLR's symmetrised loss with the InfoNCE, DCL or DCLW denominator: mean over the anchors
@@ -183,7 +180,6 @@ def dclw_weights(pos_similarity, sigma=0.5):
 
 
 # ------------------------------------------------------------------------------ training step
-
 def train_step(net, optimizer, views, args, ctx, labels, support_set):
     """One SGD step on both views, then the support set takes the global batch's unit z^(1).
 
@@ -221,7 +217,6 @@ def recipes(args):
 
 
 # ------------------------------------------------------------------------------ main loop
-
 def main(argv=None):
     args = parse_args(argv)
     ctx = common.setup(args)  # this process's device; the process group under torchrun

@@ -49,7 +49,6 @@ def parse_args(argv=None):
 
 
 # ------------------------------------------------------------------------------ model
-
 class SimCLR(nn.Module):
     """backbone f (ResNet) + projector g: image -> projection (B, proj_dim), not yet normalised."""
 
@@ -68,7 +67,6 @@ class SimCLR(nn.Module):
 
 
 # ------------------------------------------------------------------------------ loss
-
 def contrastive_loss(z1, z2, temperature=0.1, loss="infonce", sigma=0.5, reduction="mean"):
     """SimCLR's InfoNCE, DCL or DCLW: mean over the 2N anchors of the global batch -> scalar
     (reduction="none": the (2B,) losses of this rank's anchors [z1; z2], for the identity tests).
@@ -132,7 +130,6 @@ def npc_multiplier(z1, z2, temperature=0.1):
 
 
 # ------------------------------------------------------------------------------ training step
-
 def train_step(net, optimizer, views, args, ctx):
     """One SGD step on both views; returns the loss and q_B per anchor (DCL Fig. 1 diagnostics)."""
     with ctx.autocast():
@@ -157,7 +154,6 @@ def recipes(args):
 
 
 # ------------------------------------------------------------------------------ main loop
-
 def main(argv=None):
     args = parse_args(argv)
     ctx = common.setup(args)  # this process's device; the process group under torchrun

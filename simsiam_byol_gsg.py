@@ -63,7 +63,6 @@ def parse_args(argv=None):
 
 
 # ------------------------------------------------------------------------------ model
-
 class Encoder(nn.Module):
     """f = backbone (ResNet) + projector: image -> projection z (B, proj_dim)."""
 
@@ -125,7 +124,6 @@ def ema_momentum(step, total_steps, base=0.99, schedule="constant"):
 
 
 # ------------------------------------------------------------------------------ loss
-
 def D(p, z):
     """D(p, z) = -<p/|p|, z/|z|> per row -> (B,). The stop-gradient is written where D is called."""
     return -(F.normalize(p, dim=1) * F.normalize(z, dim=1)).sum(1)
@@ -199,7 +197,6 @@ def projection_std(z):
 
 
 # ------------------------------------------------------------------------------ training step
-
 def train_step(net, optimizer, views, args, ctx, pairing=None, target=None, online=None, tau=None):
     """One SGD step (+ BYOL's EMA) -> loss, the GSG case per image (None if symmetric), proj std.
     views: this rank's crops (b, 3, S, S), 2 for symmetric, 4 for GSG (0, 1: x1's; 2, 3: x2's, of
@@ -235,7 +232,6 @@ def recipes(args):
 
 
 # ------------------------------------------------------------------------------ main loop
-
 def main(argv=None):
     args = parse_args(argv)
     ctx = common.setup(args)  # this process's device; the process group under torchrun
