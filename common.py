@@ -8,7 +8,7 @@ Part 1, what the methods build on (read it next to a method file):
   augmentation                  Recipe, Augment (per-sample parameters, batched on the device),
                                 then its ops in the order it applies them: sample_crop_boxes,
                                 resized_crop_flip, colour_jitter (four ops, a random order per
-                                image), gaussian_blur, solarize, normalize
+                                image), gaussian_blur, then torchvision's solarize, normalize
   data order and batches        epoch_generators, train_batches
   evaluation                    extract_features, knn_accuracy, linear_probe (this project's fast
                                 probe), linear_probe_augmented (the authors' LINEAR_PROTOCOLS),
@@ -297,7 +297,7 @@ class Augment:
             kernel = (self.size // 10) | 1  # odd, about 10% of the image (SimCLR's 23 px at 224)
             x = where(r.blur_p, gaussian_blur(x, sigma, kernel), x)
         if r.solarize_p > 0:
-            x = where(r.solarize_p, solarize(x), x)
+            x = where(r.solarize_p, TF.solarize(x, 0.5), x)  # torchvision's, batched
         return normalize(x, self.mean, self.std)
 
 
@@ -421,14 +421,10 @@ def gaussian_blur(x, sigma, kernel_size):
     return y.view(B, C, H, W)
 
 
-def solarize(x, threshold=0.5):
-    return torch.where(x >= threshold, 1 - x, x)
-
-
 def normalize(x, mean, std):
-    """Images in [0, 1] (B, 3, H, W) -> standardised per channel (channels_last on CUDA)."""
-    mean = torch.as_tensor(mean, device=x.device).view(1, 3, 1, 1)
-    x = (x - mean) / torch.as_tensor(std, device=x.device).view(1, 3, 1, 1)
+    """Images in [0, 1] (B, 3, H, W) -> standardised per channel by torchvision's normalize, which
+    takes batches; channels_last on CUDA, the layout the networks run in there."""
+    x = TF.normalize(x, mean, std)
     return x.contiguous(memory_format=torch.channels_last) if x.is_cuda else x
 
 

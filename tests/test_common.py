@@ -101,9 +101,22 @@ def test_every_colour_jitter_order_is_drawn_with_frequency_one_in_24(monkeypatch
 
 
 def test_solarize_and_blur_match_torchvision():
-    """(common.grayscale is torchvision's own rgb_to_grayscale, which takes batches.)"""
+    """Augment's solarize and normalize are torchvision's (they take batches; so does
+    common.grayscale, torchvision's rgb_to_grayscale): a view solarized with p=1 is the same view
+    unsolarized, then solarized and standardised by torchvision image by image."""
+    x = (images(4, 16, 16) * 255).to(torch.uint8)
+    plain = Recipe(crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), flip_p=0, jitter_p=0, gray_p=0)
+    mean, std = (0.4, 0.5, 0.6), (0.2, 0.25, 0.3)
+    views = [Augment([r], 16, (0.0,) * 3, (1.0,) * 3, ctx_for(0, 1))(
+        x, torch.Generator().manual_seed(0))[0] for r in (plain, Recipe(**{**vars(plain),
+                                                                            "solarize_p": 1.0}))]
+    solarized = Augment([Recipe(**{**vars(plain), "solarize_p": 1.0})], 16, mean, std,
+                        ctx_for(0, 1))(x, torch.Generator().manual_seed(0))[0]
+    for i in range(4):
+        assert torch.equal(views[1][i], TF.solarize(views[0][i], 0.5))
+        assert torch.allclose(solarized[i], TF.normalize(TF.solarize(views[0][i], 0.5), mean,
+                                                         std), atol=1e-6)
     x = images()
-    assert torch.equal(common.solarize(x)[1], TF.solarize(x[1], 0.5))
     sigmas = [0.3, 0.9, 1.5, 2.0]
     blurred = common.gaussian_blur(x, torch.tensor(sigmas), 7)
     for i, s in enumerate(sigmas):
