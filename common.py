@@ -15,25 +15,22 @@ Part 1, what the methods build on (read it next to a method file):
                                 OnlineProbe (solo-learn's), evaluate
   learning rate and optimisers  learning_rate, LARS, pretraining_optimizer
 Part 2, plumbing that changes nothing a method computes:
-  errors and signals            UserError, run (one `error:` line; Ctrl-C: how to resume)
-  command line and resume       add_common_args, parse_args, saved_options, setup
+  errors                        UserError, run (one `error:` line; Ctrl-C: how to resume)
+  command line and resume       add_common_args, parse_args (a resume parses the recorded command
+                                line again), setup
   epoch log                     EpochMeter, check_finite, log_epoch
   run folder and checkpoints    hold_run_folder (the lock), write_atomic, start_run,
                                 save_checkpoint, load_checkpoint, finish
   data loading and checks       load_data, torchvision_split, image_folder, ImageFiles, decode
 """
 import argparse
-import atexit
 import contextlib
-import datetime
-import errno
 import fcntl
 import inspect
 import json
 import math
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -50,7 +47,6 @@ import torchvision.transforms.v2 as T
 import torchvision.transforms.v2.functional as TF
 from PIL import Image
 from torchvision.transforms.functional import rgb_to_grayscale as grayscale  # takes batches too
-from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.models.resnet import BasicBlock, Bottleneck
 from tqdm import tqdm
 
@@ -701,7 +697,7 @@ def evaluate(backbone, data, ctx, args, final=False, probe=None):
     if probe is not None:
         result["online_top1"] = probe.accuracy(backbone, data, ctx, args.workers)
     if final:
-        result.update(knn_k=args.knn_k, knn_k1_top1=knn(1))
+        result.update(knn_k=args.knn_k, knn_k1_top1=knn(1), epochs=args.epochs)
         epochs, lr, batch = protocol_settings(args.linear_protocol, args.linear_epochs,
                                               args.linear_lr, args.linear_batch)
         if epochs and args.linear_protocol == "fixed":
@@ -785,90 +781,43 @@ def pretraining_optimizer(groups, args, ctx, lr):
         return LARS(optimizer_groups(groups, lars=True), lr, 0.9, args.wd, args.lars_eta,
                     args.lars_clip)
     return torch.optim.SGD(optimizer_groups(groups, lars=False), lr=lr, momentum=0.9,
-                           weight_decay=args.wd, fused=ctx.device.type == "cuda")
+                           weight_decay=args.wd)
 
 
 # ==================================================================================================
 # Part 2: plumbing that changes nothing a method computes
 # ==================================================================================================
-# ------------------------------------------------------------------------------- errors and signals
+# ------------------------------------------------------------------------------------------- errors
 class UserError(Exception):
     """A problem the user can fix: printed as one line, exit status 2, no traceback."""
 
 
-class Interrupted(BaseException):
-    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt (no `except
-    Exception` swallows either)."""
+RUN = {"out": None, "argv": None}  # this process's run folder and command line (parse_args)
 
 
 def run(main):
-    """Call `main()`. A UserError becomes one `error:` line on stderr and exit status 2; Ctrl-C
-    (SIGINT) or SIGTERM one line naming the epoch and --resume, exit status 130 or 143 (128 +
-    the signal), on every rank; running out of memory one `error:` line."""
-    RUNNING.update(pid=os.getpid(), signal=None)
-    handlers = {signum: signal.signal(signum, on_signal)
-                for signum in (signal.SIGINT, signal.SIGTERM)}
+    """Call `main()`. A UserError or an OSError (a full disk, a read-only folder) is one `error:`
+    line, exit status 2; Ctrl-C one line naming --resume, exit status 130 (SIGTERM, as Slurm and
+    torchrun send, ends the process at once: exit status 143). Every rank stops; rank 0 speaks."""
+    rank = int(os.environ.get("RANK", 0))  # set before any process group exists
     try:
         main()
-    except UserError as error:
-        if rank_of_process() != 0:  # rank 0 says what every rank usually met, and torchrun then
-            try:  # stops the others (SIGTERM); a rank that met an error alone says it after a while
-                time.sleep(10)
-            except (KeyboardInterrupt, Interrupted):
-                sys.exit(128 + RUNNING["signal"])
+    except (UserError, OSError, KeyboardInterrupt) as error:
+        for bar in list(tqdm._instances):  # the progress bar of an epoch it interrupts
+            bar.close()
+        if isinstance(error, KeyboardInterrupt):
+            if rank == 0:
+                print(f"interrupted; continue with --resume {RUN['out']}", file=sys.stderr)
+            sys.exit(130)
+        if rank != 0:  # rank 0 says what every rank met, and torchrun then stops the others; a
+            time.sleep(10)  # rank that met an error alone says it after a while
         # raised in a DataLoader worker, the message is the worker's traceback: its last line
-        say("error", str(error).strip().splitlines()[-1].split("UserError: ")[-1])
+        message = str(error).strip().splitlines()[-1].split("UserError: ")[-1]
+        print(f"error{f' (rank {rank})' if rank else ''}: {message}", file=sys.stderr)
         sys.exit(2)
-    except BaseException as error:
-        if RUNNING["signal"]:  # met mid-collective, it can surface as the peer's closed socket
-            if rank_of_process() == 0:  # one line: Ctrl-C and torchrun signal every rank alike
-                say(None, f"interrupted {where_the_run_stands()}")
-            sys.exit(128 + RUNNING["signal"])
-        if dist.is_initialized() and re.search(r"Connection (reset|closed) by peer", str(error)):
-            if rank_of_process() == 0:  # (the others: rank 0, or torchrun, says what happened)
-                say("error", f"another process of this run has ended, so this one stops "
-                             f"{where_the_run_stands()}")
-            sys.exit(1)
-        if isinstance(error, torch.OutOfMemoryError) or "DefaultCPUAllocator" in str(error):
-            asked = re.search(r"[Tt]ried to allocate ([\d.]+ \w+)", str(error))
-            where = "GPU" if isinstance(error, torch.OutOfMemoryError) else "host"
-            asked = f" (tried to allocate {asked[1]})" if asked else ""
-            say("error", f"out of {where} memory{asked}; lower --width or --batch-size (a "
-                         f"checkpoint.pt written before is kept)")
-            sys.exit(2)
-        raise
     finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-RUNNING = {"pid": None, "signal": None}  # run()'s process (not a DataLoader worker), its signal
-
-
-def on_signal(signum, frame):
-    """Ctrl-C or SIGTERM in run()'s process: an exception, which run() turns into one line."""
-    if os.getpid() != RUNNING["pid"]:  # a DataLoader worker, forked with this handler: its loop
-        raise KeyboardInterrupt  # ends quietly on Ctrl-C (torch's own handler ends it on SIGTERM)
-    RUNNING["signal"] = signum
-    # workers killed by the same SIGTERM (Slurm signals every process) are expected now: torch's
-    # SIGCHLD handler would raise about them as the DataLoader shuts down
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # (not SIG_DFL: Python warns if one is due)
-    raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted
-
-
-def rank_of_process():
-    return int(os.environ.get("RANK", 0))
-
-
-def say(kind, message):
-    """One line on stderr, after closing the progress bar of an epoch it interrupts."""
-    for bar in list(tqdm._instances):
-        bar.close()
-    rank = rank_of_process()
-    prefix = f"{kind}{f' (rank {rank})' if rank else ''}: " if kind else ""
-    print(prefix + message, file=sys.stderr, flush=True)
 
 
 # -------------------------------------------------------------------------- command line and resume
@@ -883,20 +832,10 @@ def checked(convert, test, what):
 
 
 positive_int = checked(int, lambda n: n >= 1, "a positive integer")
-
-
 non_negative_int = checked(int, lambda n: n >= 0, "0 or a positive integer")
-
-
 positive_float = checked(float, lambda x: 0 < x < math.inf, "a positive number")
-
-
 non_negative_float = checked(float, lambda x: 0 <= x < math.inf, "0 or a positive number")
-
-
 seed_value = checked(int, lambda s: 0 <= s < 2 ** 32, "in [0, 2^32)")
-
-
 momentum_value = checked(float, lambda m: 0 <= m < 1, "in [0, 1)")  # EMA: t <- m t + (1 - m) o
 
 
@@ -911,8 +850,9 @@ def add_common_args(parser):
       help="imagefolder reads DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*")
     a("--data-dir", default="./data", help="where the data set is (CIFAR/STL-10 download here)")
     a("--image-size", type=positive_int, help="default: 32 CIFAR, 96 STL-10, 224 imagefolder")
-    a("--stream", action="store_true", help="imagefolder: decode in DataLoader workers every "
-      "epoch (automatic unless each split's images share one size, at most 16 GiB in all)")
+    a("--stream", action="store_true", help="imagefolder: decode and crop in DataLoader workers "
+      "every epoch (needed where the images differ in size, as ImageNet's; else the folder is "
+      "decoded once and held on the device)")
     a("--workers", type=non_negative_int, default=min(8, os.cpu_count() or 1), help="decoders")
     a("--limit-train", type=positive_int, help="use only N training images: the first N "
       "(imagefolder: N spread over its class folders)")
@@ -957,16 +897,19 @@ def add_common_args(parser):
       help="torch.compile the model (one process only)")
 
 
-# The options --resume may change; every other one comes from the run's config.json.
+# The options --resume may change; every other one comes from the run's recorded command line.
 RESUMABLE = {"resume", "device", "data_dir", "workers", "stop_after", "eval_every", "compile",
              "amp", "knn_k", "knn_t", "linear_protocol", "linear_epochs", "linear_lr",
              "linear_batch"}
 
 
 def parse_args(parser, argv, script):
-    """A new run gets a fresh --out (a folder holding a run is refused); --resume RUN takes RUN's
-    config.json, checked as the command line is and changed only by the options in RESUMABLE."""
-    args = check_crop_scale(parser.parse_args(argv))
+    """A new run gets a fresh --out (a folder holding a run is refused). --resume RUN parses RUN's
+    recorded command line again, followed by this one, which may change only the options in
+    RESUMABLE; an option the script now reads otherwise than that run did (a default changed
+    since, or config.json edited) is refused."""
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    args = parse(parser, argv)
     if args.resume is None:
         # the process id keeps apart runs started in the same second (rank 0's names the folder)
         default = f"{script}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -974,101 +917,54 @@ def parse_args(parser, argv, script):
         if os.path.exists(args.out) and not os.path.isdir(args.out):
             raise UserError(f"--out {args.out} is a file; choose a folder")
         refuse_a_held_folder(args.out)  # checked again under the folder's lock (start_run)
-        PROGRESS.update(out=args.out, epochs=args.epochs, epoch=None, saved=None, resume=False)
+        RUN.update(out=args.out, argv=argv)
         return args
     run = os.path.dirname(args.resume) if args.resume.endswith(".pt") else args.resume
     path = os.path.join(run, "config.json")
     try:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
-    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
-        raise UserError(f"--resume {run}: no readable config.json there; give a run folder of "
-                        f"this project") from None
-    if not isinstance(config, dict) or not isinstance(config.get("args"), dict):
-        raise UserError(f"{path} holds no \"args\" object: it is damaged or not from this "
-                        f"project; restore it from a copy, or start a new --out")
+        recorded, saved = list(map(str, config["argv"])), dict(config["args"])
+    except (OSError, ValueError, TypeError, KeyError):  # ValueError: not JSON, or not UTF-8
+        raise UserError(f"--resume {run}: no readable config.json with its command line there; "
+                        f"give a run folder of this project") from None
     if config.get("script") != script:
         raise UserError(f"--resume {run}: that run was made by {config.get('script')}.py, not "
                         f"{script}.py; start a new --out")
-    saved = saved_options(parser, config["args"], path)
-    parser.set_defaults(**saved)  # the options not typed again take the run's values
-    args = parser.parse_args(argv)
-    if os.path.normpath(args.out) not in map(os.path.normpath, (run, saved.get("out", run))):
+    if args.out is not None and os.path.normpath(args.out) != os.path.normpath(run):
         raise UserError(f"--resume {run} writes into {run}; drop --out {args.out}")
+    then, args = vars(parse(parser, recorded, path)), parse(parser, recorded + argv, path)
     for key, value in vars(args).items():
-        value = json.loads(json.dumps(value))  # tuples -> lists, as saved
-        if key in saved and key not in RESUMABLE | {"out"} and value != saved[key]:
-            raise UserError(f"run {run} was trained with --{key.replace('_', '-')} {saved[key]}, "
-                            f"not {value}; drop that option to continue it, or start a new --out")
-    args.out = run
-    PROGRESS.update(out=run, epochs=args.epochs, epoch=None, saved=None, resume=True)
+        option, value = f"--{key.replace('_', '-')}", json.loads(json.dumps(value))  # tuples: lists
+        if key in RESUMABLE or key == "out":
+            continue
+        if value != json.loads(json.dumps(then[key])):
+            raise UserError(f"run {run} was trained with {option} {then[key]}, not {value}; drop "
+                            f"that option to continue it, or start a new --out")
+        if key not in saved:
+            raise UserError(f"{path} has no {option}: add the value that run was trained with "
+                            f"(\"{key}\": ...), or start a new --out")
+        if value is not None and value != saved[key]:  # None: filled in later (--image-size)
+            raise UserError(f"{path}: {option} is {json.dumps(saved[key])}, which the command "
+                            f"line reads as {json.dumps(value)}; write it so, or start a new --out")
+    args.out = RUN["out"] = run
     return args
 
 
-def check_crop_scale(args):
+def parse(parser, argv, path=None):
+    """parser.parse_args(argv) and the crop-scale check; a recorded command line (from `path`)
+    that fails them is one line, not argparse's usage and exit."""
+    def refuse(message):
+        raise UserError(f"{path}: its command line fails the check ({message}); start a new --out")
+    error, parser.error = parser.error, refuse if path else parser.error
+    try:
+        args = parser.parse_args(argv)
+    finally:
+        parser.error = error
     if args.crop_scale and not 0 < args.crop_scale[0] <= args.crop_scale[1] <= 1:
         raise UserError(f"--crop-scale {' '.join(map(str, args.crop_scale))}: need 0 < MIN <= MAX "
                         f"<= 1")
     return args
-
-
-# What a run records in config.json's "args" beside its options, and a resume keeps: the
-# image-folder path load_data chose (held on the device or streamed).
-RECORDED = {"data_path": ("held", "streamed")}
-
-
-def saved_options(parser, saved, path):
-    """A run's saved options (config.json's "args"), checked as the command line checks them:
-    each is written back as its option and read by `parser` (types, ranges, choices), and must
-    read back as saved -> {dest: value}. A missing option is an error, not today's default."""
-    actions = [a for a in parser._actions if a.option_strings and a.dest not in ("help", "resume")]
-    unknown = sorted(set(saved) - {a.dest for a in actions} - {"resume"} - set(RECORDED))
-    if unknown:
-        names = ", ".join(f"--{dest.replace('_', '-')}" for dest in unknown)
-        raise UserError(f"{path} has options this script does not know ({names}); remove them, "
-                        f"or start a new --out")
-    for key, choices in RECORDED.items():
-        if key in saved and saved[key] not in choices:
-            raise UserError(f"{path}: {key} is {json.dumps(saved[key])}; it must be one of "
-                            f"{', '.join(choices)}, or start a new --out")
-    argv = []
-    for action in actions:
-        option = action.option_strings[0]
-        if action.dest not in saved:
-            raise UserError(f"{path} has no {option}: add the value that run was trained with "
-                            f"(\"{action.dest}\": ...), or start a new --out")
-        value = saved[action.dest]
-        if value is None and action.default is None:
-            continue  # not given, as when the run began
-        if action.nargs == 0:  # a switch: --symmetric, or --amp / --no-amp
-            if not isinstance(value, bool):
-                raise UserError(f"{path}: {option} is {json.dumps(value)}; it must be true or "
-                                f"false")
-            negative = [f"--no-{option[2:]}"] if len(action.option_strings) == 2 else []
-            argv += [option] if value else negative
-        elif action.nargs is not None:
-            values = value if isinstance(value, list) else [value]
-            argv += [option, *(json.dumps(v) if not isinstance(v, str) else v for v in values)]
-        else:
-            argv.append(f"{option}={value if isinstance(value, str) else json.dumps(value)}")
-    def refuse(message):  # argparse's error(), which would print the usage and exit
-        raise UserError(f"{path} fails the command line's check: {message}; correct it, or start "
-                        f"a new --out")
-
-    error, parser.error = parser.error, refuse
-    try:
-        parsed = vars(check_crop_scale(parser.parse_args(argv)))
-    except UserError as e:  # the crop check names the option, not the file
-        raise UserError(str(e) if str(e).startswith(path) else f"{path}: {e}") from None
-    finally:
-        parser.error = error
-    for action in actions:
-        value = json.loads(json.dumps(parsed[action.dest]))  # tuples -> lists, as saved
-        if value != saved[action.dest]:
-            raise UserError(f"{path}: {action.option_strings[0]} is "
-                            f"{json.dumps(saved[action.dest])}, which the command line reads as "
-                            f"{json.dumps(value)}; write it so, or start a new --out")
-    return dict(saved)
 
 
 def setup(args):
@@ -1138,125 +1034,56 @@ def check_finite(record):
 
 
 def log_epoch(ctx, record):
-    """Add the epoch's line to metrics.jsonl (the file rewritten whole, atomically) and print it."""
+    """Add the epoch's line to metrics.jsonl (the file written again whole) and print it."""
     if ctx.rank == 0:
         path = os.path.join(ctx.out, "metrics.jsonl")
-        try:
-            with open(path, "rb") as f:
-                lines = f.read()
-        except FileNotFoundError:
-            lines = b""
+        with open(path, "rb") as f:
+            lines = f.read()
         write_atomic(path, lambda f: f.write(lines + (json.dumps(record) + "\n").encode()))
         ctx.print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                             for k, v in record.items()))
 
 
 # ----------------------------------------------------------------------- run folder and checkpoints
-# Where a run stands, for the line an interrupted run prints: its folder, its epochs, the epoch it
-# is in (None before it starts) and the last epoch its checkpoint.pt holds. Every rank keeps it.
-PROGRESS = {"out": None, "epochs": None, "epoch": None, "saved": None, "resume": False}
-
-
-def where_the_run_stands():
-    """"in epoch E; continue with --resume RUN", or what else is true of a run stopped now."""
-    out, epoch, epochs = PROGRESS["out"], PROGRESS["epoch"], PROGRESS["epochs"]
-    if epoch is None:
-        return (f"before the resume began; continue with --resume {out}" if PROGRESS["resume"]
-                else "before the run began; nothing was written")
-    where = "the final evaluation" if epochs is not None and epoch > epochs else f"epoch {epoch}"
-    if PROGRESS["saved"] is None and not os.path.exists(os.path.join(out, "results.json")):
-        return f"in {where}, before any checkpoint; start it again with --out {out}"
-    return f"in {where}; continue with --resume {out}"
-
-
-LOCK = ".lock"  # the run folder's lock file, which rank 0 holds (flock) while the run goes on
-
-
-HELD = {}  # (inode, device) of each lock file this process holds -> its open file
-
-
-atexit.register(lambda: [f.close() for f in HELD.values()])  # (the kernel would drop them too)
+LOCKS = {}  # run folder (its real path) -> the open OUT/.lock whose flock this process holds
 
 
 def hold_run_folder(out):
-    """Take the run folder's lock, an exclusive fcntl.flock on OUT/.lock: one process at a time
-    runs or resumes a folder. The kernel drops it when the process ends, however it ends: a killed
-    run never blocks its resume, whose temp files are removed. Held already by this process (a
-    run and its resume in one Python session), nothing changes; held by another, one line names
-    it."""
-    path = os.path.join(out, LOCK)
-    try:
-        f = open(path, "a+", encoding="utf-8")
-    except OSError as error:
-        raise UserError(write_failed(path, error)) from None
-    identity = os.fstat(f.fileno())[1:3]  # inode, device: one file whichever path names it
-    if identity in HELD:
-        f.close()
+    """One process at a time runs or resumes a folder: rank 0 holds an exclusive flock on
+    OUT/.lock, which the kernel drops when the process ends, however it ends. Held by another
+    process: one line naming it. A temp file found then is a killed write's: removed."""
+    if os.path.realpath(out) in LOCKS:  # a run and its resume in one Python session
         return
+    f = open(os.path.join(out, ".lock"), "a+", encoding="utf-8")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = ""
-        for _ in range(20):  # the holder writes its name just after it takes the lock
-            f.seek(0)
-            holder = f.read().strip()
-            if holder:
-                break
-            time.sleep(0.05)
+        time.sleep(0.1)  # the holder writes its name just after it takes the lock
+        f.seek(0)
+        holder = f.read().strip()
         f.close()
-        raise UserError(f"{out} is in use by process {holder or '(unknown)'}: a run or --resume "
-                        f"of it is going on; wait for it to end (or stop it), then try again")
-    except OSError as error:  # a file system without locks (Lustre without -o flock, ...)
-        warnings.warn(f"{path}: no lock ({error.strerror}); start one run per folder at a time")
-    if not os.path.exists(path) or os.stat(path)[1:3] != identity:  # deleted as it was locked
-        f.close()
-        raise UserError(f"{out} was deleted or replaced as this process began with it; try again")
+        raise UserError(f"{out} is in use by process {holder}: a run or --resume of it is going "
+                        f"on; wait for it to end (or stop it), then try again") from None
     f.truncate(0)
     f.write(f"{os.getpid()} on {socket.gethostname()}\n")
     f.flush()
-    HELD[identity] = f
-    for name in os.listdir(out):  # a temp file here now is a killed (SIGKILL) write's
-        if name.endswith((".pt.tmp", ".json.tmp", ".jsonl.tmp")):
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(out, name))
-
-
-def release_run_folder(out):
-    try:
-        identity = os.stat(os.path.join(out, LOCK))[1:3]
-    except OSError:
-        return
-    if identity in HELD:
-        HELD.pop(identity).close()  # closing the file drops its flock
+    LOCKS[os.path.realpath(out)] = f
+    for name in os.listdir(out):
+        if name.endswith(".tmp"):
+            os.remove(os.path.join(out, name))
 
 
 def refuse_a_held_folder(out):
     # a run that stopped before its first checkpoint may be started again in its folder
-    held = [os.path.join(out, name) for name in ("checkpoint.pt", "results.json")]
-    if any(map(os.path.exists, held)):
+    if any(os.path.exists(os.path.join(out, name)) for name in ("checkpoint.pt", "results.json")):
         raise UserError(f"--out {out} already holds a run: continue it with --resume {out}, or "
                         f"choose another --out")
 
 
-def write_failed(path, error):
-    """The line for an OS error met writing `path` in a run folder: what, where, what is kept."""
-    folder = os.path.dirname(path) or "."
-    fix = ("free some space" if error.errno in (errno.ENOSPC, errno.EDQUOT) else
-           f"make {folder} writable" if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
-           else "fix that")
-    if PROGRESS["saved"] is None and not os.path.exists(os.path.join(folder, "checkpoint.pt")):
-        return (f"cannot write {path} ({error.strerror}); no checkpoint was written yet: {fix}, "
-                f"then start the run again")
-    saved = f" (epoch {PROGRESS['saved']})" if PROGRESS["saved"] is not None else ""
-    return (f"cannot write {path} ({error.strerror}); the last good checkpoint{saved} is kept in "
-            f"{folder}: {fix}, then continue with --resume {folder}")
-
-
 def write_atomic(path, write):
-    """Write a run folder's file all or nothing: `write(f)` fills a temp file beside `path`
-    (binary), which is flushed to disk and then renamed over `path` (os.replace). A kill or a
-    full disk leaves the previous file (or none), never a part, and no temp file; an OS error is
-    one line (write_failed)."""
+    """Write a run folder's file whole or not at all: `write(f)` fills a temp file beside `path`,
+    flushed to disk, then renamed over `path`. A kill or a full disk leaves the previous file (or
+    none) and no temp file; an OS error is one line."""
     temp = path + ".tmp"
     try:
         with open(temp, "wb") as f:
@@ -1268,44 +1095,35 @@ def write_atomic(path, write):
         with contextlib.suppress(OSError):
             os.remove(temp)
         cause = error  # torch.save's writer turns a full disk's OSError into a RuntimeError
-        while isinstance(cause, Exception) and not isinstance(cause, OSError):
+        while cause is not None and not isinstance(cause, OSError):
             cause = cause.__cause__ or cause.__context__
-        if isinstance(cause, OSError):
-            raise UserError(write_failed(path, cause)) from None
-        raise
+        if cause is None:
+            raise
+        raise UserError(f"cannot write {path} ({cause.strerror}); the last good checkpoint is "
+                        f"kept: continue with --resume {os.path.dirname(path)}") from None
+
+
+def save_atomic(obj, path):
+    write_atomic(path, lambda f: torch.save(obj, f))
 
 
 def start_run(args, ctx, script):
-    """Take the run folder (its lock), create it and its config.json (a resumed run keeps its
-    own). Called once the data and the model are ready, so that a run that fails to start leaves
-    nothing behind."""
-    if not args.resume:
-        PROGRESS.update(epoch=1)
+    """Take the run folder (its lock) and write its config.json (a resumed run keeps its own).
+    Called once the data and the model are ready: a run that fails to start leaves nothing."""
     if ctx.rank != 0 or args.resume:
         return
-    try:
-        os.makedirs(ctx.out, exist_ok=True)
-    except OSError as error:
-        raise UserError(f"--out {ctx.out}: cannot write there ({error.strerror})") from None
+    os.makedirs(ctx.out, exist_ok=True)
     hold_run_folder(ctx.out)
     refuse_a_held_folder(ctx.out)  # again: another run may have begun here since parse_args
     # metrics.jsonl starts empty (a run stopped here before its first checkpoint left lines)
     write_atomic(os.path.join(ctx.out, "metrics.jsonl"), lambda f: None)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        commit = None
-    config = {"script": script, "args": vars(args), "world_size": ctx.world, "command": sys.argv,
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    config = {"script": script, "argv": RUN["argv"], "args": vars(args), "world_size": ctx.world,
               "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                            "git_commit": commit or None}}
     write_atomic(os.path.join(ctx.out, "config.json"),
                  lambda f: f.write(json.dumps(config, indent=2).encode()))
-
-
-def save_atomic(obj, path):
-    """torch.save through write_atomic: a crash mid-save never leaves a broken file."""
-    write_atomic(path, lambda f: torch.save(obj, f))
 
 
 def save_checkpoint(ctx, epoch, states):
@@ -1313,107 +1131,53 @@ def save_checkpoint(ctx, epoch, states):
     if ctx.rank == 0:
         state = {name: s.state_dict() for name, s in states.items() if s is not None}
         save_atomic({"epoch": epoch, **state}, os.path.join(ctx.out, "checkpoint.pt"))
-    PROGRESS.update(epoch=epoch + 1, saved=epoch)
 
 
 def load_checkpoint(ctx, states):
     """Take the run folder (its lock), load each named state from its checkpoint.pt, and keep
-    only the metrics lines of the epochs it holds -> the epoch to continue from."""
+    only the metrics lines of the epochs it holds -> the epochs done."""
     if ctx.rank == 0:
         hold_run_folder(ctx.out)
-    path = os.path.join(ctx.out, "checkpoint.pt")
-    if not os.path.exists(path):  # no epoch was saved: an --epochs 0 run, or one that failed
-        if os.path.exists(os.path.join(ctx.out, "results.json")) and PROGRESS["epochs"]:
-            raise UserError(f"{path} is gone, and the finished run's trained weights with it: "
-                            f"it cannot be evaluated again; train it again in a new --out")
-        if os.path.exists(os.path.join(ctx.out, "results.json")):
-            PROGRESS.update(epoch=1)
-            return 0
-        raise UserError(f"{ctx.out} has no checkpoint: its first epoch never ended; start it "
+    path, results = (os.path.join(ctx.out, name) for name in ("checkpoint.pt", "results.json"))
+    if not os.path.exists(path):
+        if os.path.exists(results) and json.load(open(results)).get("epochs") == 0:
+            return 0  # an --epochs 0 run: the untrained network, evaluated again
+        raise UserError(f"{ctx.out} has no checkpoint.pt (its first epoch never ended); start it "
                         f"again with --out {ctx.out}")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
-        raise UserError(f"{path} is unreadable ({type(error).__name__}): it is truncated or not "
-                        f"from this project; start a new --out") from None
-    epoch = checkpoint.get("epoch") if isinstance(checkpoint, dict) else None
-    if type(epoch) is not int or epoch < 0:
-        raise UserError(f"{path} is not a checkpoint of this project (no count of epochs done); "
-                        f"restore it from a copy, or start a new --out")
-    missing = [name for name, state in states.items() if state is not None and name not in
-               checkpoint]
-    if missing:
-        raise UserError(f"{path} holds no {', '.join(missing)}: it is not from this script and "
-                        f"options; start a new --out")
-    for name, state in states.items():
-        # an optimizer keeps this run's fused/foreach choice, not the saving machine's
-        flags = [{k: g[k] for k in ("fused", "foreach") if k in g}
-                 for g in getattr(state, "param_groups", [])]
-        try:
+        for name, state in states.items():
             state is None or state.load_state_dict(checkpoint[name])
-        except (RuntimeError, KeyError, ValueError, TypeError, AttributeError, IndexError) as error:
-            raise UserError(f"{path}: the saved {name} does not fit this model "
-                            f"({' '.join(str(error).split())[:160]}); start a new --out") from None
-        for group, flag in zip(getattr(state, "param_groups", []), flags):  # new dicts now
-            group.update(flag)
-        for p, buffers in getattr(state, "state", {}).items():  # a CPU run's momentum, resumed on
-            for k, v in buffers.items():  # CUDA, takes channels_last like p (fused SGD needs it)
-                if torch.is_tensor(v) and v.shape == p.shape:
-                    buffers[k] = torch.empty_like(p).copy_(v)
-    PROGRESS.update(epoch=epoch + 1, saved=epoch)
-    if ctx.rank == 0:
-        keep_metrics_until(os.path.join(ctx.out, "metrics.jsonl"), epoch)
+        epoch = int(checkpoint["epoch"])
+    except Exception as error:  # truncated, another project's, another model's
+        raise UserError(f"{path} is unreadable or not this run's ({type(error).__name__}: "
+                        f"{' '.join(str(error).split())[:120]}); start a new --out") from None
+    if ctx.rank == 0:  # the lines of epochs after the checkpoint's (or half a line) go
+        metrics = os.path.join(ctx.out, "metrics.jsonl")
+        with open(metrics, "rb") as f:
+            lines = f.read().split(b"\n")[:-1]  # the last part: "" or a half-written line
+        write_atomic(metrics, lambda f: f.write(b"".join(
+            line + b"\n" for line in lines if json.loads(line)["epoch"] <= epoch)))
     ctx.print(f"resumed {ctx.out} at epoch {epoch}")
     return epoch
 
 
-def keep_metrics_until(path, epoch):
-    """metrics.jsonl keeps the lines of epochs 1..`epoch`: a run stopped between log and save
-    logged an epoch it now trains again (or half a line, written by a kill, at the end). Any
-    other line that is not an epoch's record is one error line (the file is not changed)."""
-    try:
-        with open(path, "rb") as f:
-            text = f.read()
-    except FileNotFoundError:
-        return
-    *lines, _ = text.split(b"\n")  # the last part is "" or a half-written line
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line.decode("utf-8"))
-            done = record["epoch"] if isinstance(record, dict) else None
-        except (ValueError, KeyError) as error:  # not UTF-8, not JSON, no "epoch"
-            done = error
-        if type(done) is not int:
-            what = ("blank" if not line.strip() else
-                    f"not an epoch's record: {line[:40].decode(errors='replace')!r}")
-            raise UserError(f"{path} line {number} is {what}; delete that line (each line is one "
-                            f"epoch's JSON record), then resume again")
-    kept = b"".join(line + b"\n" for line in lines if json.loads(line)["epoch"] <= epoch)
-    if kept != text:
-        write_atomic(path, lambda f: f.write(kept))
-
-
 def finish(ctx, backbone, results):
-    """backbone.pt (CPU tensors, torchvision's names) and results.json, printing the accuracies;
-    then the run folder's lock is let go. A finished run resumed with other evaluation options
-    writes eval-<time>.json beside them (and backbone.pt again from checkpoint.pt if it is gone)."""
+    """backbone.pt (CPU tensors, torchvision's names) and results.json, then the accuracies printed
+    and the run folder let go. A finished run evaluated again (--resume) writes eval-<time>.json
+    beside them (and backbone.pt again, from the checkpoint, if it is gone)."""
     if ctx.rank != 0:
         return
     path, weights = (os.path.join(ctx.out, name) for name in ("results.json", "backbone.pt"))
-    if not os.path.exists(path):
+    stamp, n = time.strftime("eval-%Y%m%d-%H%M%S"), 1
+    while os.path.exists(path):  # evaluated again (twice in one second: -2, -3, ...)
+        path, n = os.path.join(ctx.out, f"{stamp}{f'-{n}' if n > 1 else ''}.json"), n + 1
+    if not os.path.exists(weights):
         save_atomic({k: v.cpu() for k, v in backbone.state_dict().items()}, weights)
-    else:
-        stamp = time.strftime("eval-%Y%m%d-%H%M%S")
-        path = os.path.join(ctx.out, f"{stamp}.json")
-        for n in range(2, 1000):  # two evaluations in one second
-            if not os.path.exists(path):
-                break
-            path = os.path.join(ctx.out, f"{stamp}-{n}.json")
-        if not os.path.exists(weights):  # the weights the checkpoint holds, as when it finished
-            save_atomic({k: v.cpu() for k, v in backbone.state_dict().items()}, weights)
-            ctx.print(f"{weights} was missing: written again from the checkpoint")
     write_atomic(path, lambda f: f.write(json.dumps(results, indent=2).encode()))
-    release_run_folder(ctx.out)
+    lock = LOCKS.pop(os.path.realpath(ctx.out), None)
+    if lock:
+        lock.close()  # closing the file drops its flock
     line = (f"final kNN top-1 (k={results['knn_k']}): {results['knn_top1']:.2f}%  "
             f"kNN top-1 (k=1): {results['knn_k1_top1']:.2f}%")
     if "linear_top1" in results:
@@ -1450,9 +1214,7 @@ class Data:
 
 
 def load_data(args, ctx, crops=2):
-    """--dataset as Data; `crops`: random crops per image that a streaming train set makes.
-    Records the path taken in args.data_path, "held" or "streamed" (config.json), which a resumed
-    run's args bring back to image_folder."""
+    """--dataset as Data; `crops`: random crops per image that a streaming train set makes."""
     mean, std = STATS[args.dataset]
     size = {"cifar10": 32, "cifar100": 32, "stl10": 96}.get(args.dataset, args.image_size or 224)
     if args.dataset == "imagefolder":
@@ -1470,41 +1232,22 @@ def load_data(args, ctx, crops=2):
     if len(data) < args.batch_size:
         raise UserError(f"--batch-size {args.batch_size} is more than the {len(data)} training "
                         f"images; use a smaller batch")
-    args.data_path = "streamed" if data.streaming else "held"
     return data
 
 
-# A node whose gloo cannot reach the others (wrong interface: GLOO_SOCKET_IFNAME) fails after
-# CONNECT_TIMEOUT; the others wait up to DOWNLOAD_TIMEOUT for the slowest node's download.
-CONNECT_TIMEOUT = datetime.timedelta(minutes=5)
-
-
-DOWNLOAD_TIMEOUT = datetime.timedelta(hours=6)
-
-
 def torchvision_split(args, ctx, limit, **split):
-    """CIFAR/STL-10 as uint8 (N, 3, S, S) and labels on the device. Each node's first process
-    downloads (no shared file system needed; into a shared --data-dir one node at a time, under
-    its file lock); then every rank learns whether every node has the data, and all stop together
-    if not. Their gloo group connects before the download, so a node that cannot reach the others
-    fails within CONNECT_TIMEOUT, not after the DOWNLOAD_TIMEOUT a slow download may take."""
+    """CIFAR/STL-10 as uint8 (N, 3, S, S) and labels on the device. Each process downloads, or
+    finds and checks, the files under the data folder's lock: processes and nodes sharing a
+    --data-dir download into it one at a time, and each that finds no data stops with one line."""
     cls = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100,
            "stl10": torchvision.datasets.STL10}[args.dataset]
-    group = data_group(ctx) if ctx.world > 1 else None
-    ready = torch.ones(1)
-    if ctx.local_rank == 0:
-        with data_dir_lock(args.data_dir):
-            try:
-                cls(args.data_dir, download=True, **split)
-            except Exception:  # URLError, RuntimeError("Dataset not found or corrupted"), ...
-                ready.zero_()
-    if group is not None:  # a barrier with its own time-out: the group's is CONNECT_TIMEOUT
-        dist.monitored_barrier(group, timeout=DOWNLOAD_TIMEOUT)
-        dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
-        dist.destroy_process_group(group)
-    if not ready.item():
-        raise UserError(f"no {args.dataset} in {args.data_dir} and it could not be downloaded; "
-                        f"put {cls.filename} or its extracted {cls.base_folder}/ there")
+    with data_dir_lock(args.data_dir):
+        try:
+            cls(args.data_dir, download=True, **split)
+        except Exception:  # URLError, RuntimeError("Dataset not found or corrupted"), ...
+            raise UserError(f"no {args.dataset} in {args.data_dir} and it could not be "
+                            f"downloaded; put {cls.filename} or its extracted {cls.base_folder}/ "
+                            f"there") from None
     dataset = cls(args.data_dir, download=False, **split)
     images = torch.as_tensor(dataset.data)
     images = images.permute(0, 3, 1, 2) if images.shape[-1] == 3 else images  # CIFAR is NHWC
@@ -1512,27 +1255,10 @@ def torchvision_split(args, ctx, limit, **split):
     return images[:limit].contiguous().to(ctx.device), labels[:limit].long().to(ctx.device)
 
 
-def data_group(ctx):
-    """A gloo group of every process (the data's flags are CPU tensors), connected now: one error
-    line if some process cannot be reached within CONNECT_TIMEOUT."""
-    try:
-        group = dist.new_group(backend="gloo", timeout=CONNECT_TIMEOUT)
-        dist.barrier(group=group)
-    except RuntimeError as error:  # DistStoreError, gloo's connect and time-out errors
-        raise UserError(f"the {ctx.world} processes did not all connect over gloo within "
-                        f"{CONNECT_TIMEOUT.total_seconds():g} s to prepare the data "
-                        f"({' '.join(str(error).split())[:120]}); on several nodes set "
-                        f"GLOO_SOCKET_IFNAME to the network interface they reach each other on") \
-            from None
-    return group
-
-
 @contextlib.contextmanager
 def data_dir_lock(folder):
-    """An exclusive lock (fcntl.flock) on FOLDER/.download.lock while the block runs: nodes that
-    share --data-dir download and extract into it one at a time, the later ones finding the files
-    and only checking them. No lock where the file cannot be made (a read-only folder) or the
-    file system has no flock (Lustre without its flock option)."""
+    """An exclusive flock on FOLDER/.download.lock while the block runs (none where the file
+    cannot be made, as in a read-only folder, or the file system has no flock)."""
     try:
         os.makedirs(folder, exist_ok=True)
         lock = open(os.path.join(folder, ".download.lock"), "a")
@@ -1545,21 +1271,16 @@ def data_dir_lock(folder):
         yield
 
 
-HOLD_LIMIT = 16 * 2 ** 30  # bytes: a larger image folder streams, on every machine alike
-
-
 def image_folder(args, ctx, size, mean, std, crops):
-    """DATA_DIR/train and val as Data: held on the device where that loses nothing (one size per
-    split, so the files are kept whole and RandomResizedCrop samples the full image, as in the
-    workers; at most HOLD_LIMIT bytes), else streamed. Only the data and --stream choose, never
-    the free memory; a resumed run takes the path in its args.data_path."""
+    """DATA_DIR/train and val as Data: decoded once and held on the device, each file whole (so
+    RandomResizedCrop samples the full image, as streaming's workers do), or with --stream
+    decoded and cropped by DataLoader workers every epoch."""
     folders = {}
     for split in ("train", "val"):
         root = os.path.join(args.data_dir, split)
         if not os.path.isdir(root):
             raise UserError(f"imagefolder: {root} does not exist; --data-dir needs train/ and "
                             f"val/ folders with one subfolder of images per class")
-        refuse_repeated_files(root)
         try:
             folders[split] = torchvision.datasets.ImageFolder(root)
         except (FileNotFoundError, RuntimeError) as error:
@@ -1577,99 +1298,14 @@ def image_folder(args, ctx, size, mean, std, crops):
         train = [train[i * len(train) // args.limit_train] for i in range(args.limit_train)]
     labels = [torch.tensor([y for _, y in s], device=ctx.device) for s in (train, val)]
     classes = len(folders["train"].classes)
-    path = getattr(args, "data_path", None) or ("streamed" if args.stream else None)
-    shapes = None if path == "streamed" else whole_shapes(train, val, ctx)
-    if path == "held" and shapes is None:
-        raise UserError(f"--resume: the run held {args.data_dir} whole on the device, but its "
-                        f"images now differ in size (or exceed {HOLD_LIMIT >> 30} GiB); "
-                        f"restore the folder or start a new --out")
-    if shapes is None:
+    if args.stream:
         return Data(ImageFiles(train, size, crops, args.crop_scale), labels[0],
                     ImageFiles(train, size), ImageFiles(val, size), classes, size, mean, std,
                     streaming=True)
-    need, free = decoded_bytes(train, val, shapes), free_memory(ctx)
-    if need > free:
-        raise UserError(f"imagefolder: its images, held whole, need {need / 2 ** 30:.2f} GiB on "
-                        f"{ctx.device}, {free / 2 ** 30:.2f} GiB are free; add --stream (the "
-                        f"workers then decode it every epoch)")
-    images = decode(train, shapes[0], args.workers, ctx)  # once: pre-training and kNN share it
-    return Data(images, labels[0], (images, labels[0]),
-                (decode(val, shapes[1], args.workers, ctx), labels[1]), classes, size, mean, std,
+    images = decode(train, args.workers, ctx)  # once: pre-training and kNN share it
+    return Data(images, labels[0], (images, labels[0]), (decode(val, args.workers, ctx),
+                                                         labels[1]), classes, size, mean, std,
                 whole=True)
-
-
-def whole_shapes(train, val, ctx):
-    """(H, W) of train's images and of val's, where each split's files share one size and the
-    two splits, decoded whole, take at most HOLD_LIMIT bytes; else None. Sizes come from the
-    files' headers, each rank reading a share; a file PIL cannot open is left to decode(), which
-    names it."""
-    shapes = []
-    for samples in (train, val):
-        share, sizes = -(-len(samples) // ctx.world), set()
-        for path, _ in samples[ctx.rank * share:(ctx.rank + 1) * share]:
-            try:
-                with Image.open(path) as image:
-                    sizes.add(image.size[::-1])  # PIL: (width, height)
-            except Exception:  # any decoder error: decode() names the file
-                continue
-            if len(sizes) > 1:  # mixed sizes (ImageNet): known after a few files
-                break
-        found = [sizes] * ctx.world
-        if ctx.world > 1:
-            dist.all_gather_object(found, sizes)
-        sizes = set().union(*found)
-        if len(sizes) != 1:
-            return None
-        shapes.append(sizes.pop())
-    return shapes if decoded_bytes(train, val, shapes) <= HOLD_LIMIT else None
-
-
-def decoded_bytes(train, val, shapes):
-    return sum(len(samples) * 3 * h * w for samples, (h, w) in zip((train, val), shapes))
-
-
-def free_memory(ctx):
-    """Bytes free on the device (CPU: host memory shared by this node's processes), the least
-    over all ranks."""
-    if ctx.device.type == "cuda":
-        free = torch.cuda.mem_get_info(ctx.device)[0]
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        free //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if ctx.world > 1:  # one decision for all ranks: each sees its own free memory
-        free = torch.tensor(free, device=ctx.device)
-        dist.all_reduce(free, op=dist.ReduceOp.MIN)
-    return int(free)
-
-
-def refuse_repeated_files(root):
-    """ImageFolder follows links: a link loop (`ln -s . train/bag/loop`) or a second link to one
-    folder or image would count its images again, silently. Walk `root` as it does and stop with
-    one line naming the link where a folder or an image is met a second time."""
-    def identity(path):
-        stat = os.stat(path)
-        return stat.st_dev, stat.st_ino
-
-    folders, linked, stack = {}, {}, [root]  # folders: identity -> the path it was met at
-    while stack:
-        folder = stack.pop()
-        if identity(folder) in folders:  # name the link of the two paths
-            first = folders[identity(folder)]
-            link, other = (first, folder) if os.path.islink(first) else (folder, first)
-            raise UserError(f"imagefolder: {link} leads to {other} again (a link loop, or two "
-                            f"links to one folder): its images would count twice; remove the link")
-        folders[identity(folder)] = folder
-        with contextlib.suppress(OSError), os.scandir(folder) as entries:
-            for entry in entries:
-                if entry.is_dir():  # through links, as ImageFolder's walk goes
-                    stack.append(entry.path)
-                elif entry.is_symlink() and entry.name.lower().endswith(IMG_EXTENSIONS):
-                    linked.setdefault(os.path.realpath(entry.path), []).append(entry.path)
-    for target, links in linked.items():  # an image met twice: two links, or a link and the file
-        if os.path.exists(target) and (len(links) > 1 or
-                                       identity(os.path.dirname(target)) in folders):
-            raise UserError(f"imagefolder: {links[-1]} links to {target}, which the folder "
-                            f"holds already; remove that link")
 
 
 class ImageFiles(torch.utils.data.Dataset):
@@ -1709,20 +1345,25 @@ class ImageFiles(torch.utils.data.Dataset):
             return torch.stack([self.random(image) for _ in range(self.crops)]), label
 
 
-def decode(samples, shape, workers, ctx):
-    """Image files of one size, shape = (H, W) -> uint8 (N, 3, H, W) whole, on every rank, each
-    rank decoding its share."""
+def decode(samples, workers, ctx):
+    """Image files of one size -> uint8 (N, 3, H, W) whole, on every rank, each rank decoding its
+    share. Files of different sizes are refused: they stream (--stream)."""
     share = -(-len(samples) // ctx.world)
     mine = ImageFiles(samples[ctx.rank * share:(ctx.rank + 1) * share], None, whole=True)
-    parts, error = [], ""
+    images, error = [], ""
     try:
-        parts = [x for x, _ in torch.utils.data.DataLoader(mine, 256, num_workers=workers)]
+        images = [x for x, _ in torch.utils.data.DataLoader(mine, None, num_workers=workers)]
     except UserError as e:
         error = str(e)
-    errors = [error] * ctx.world
+    found = [(error, {tuple(x.shape) for x in images})] * ctx.world
     if ctx.world > 1:  # every rank stops at an unreadable file, not in a broken all_gather
-        dist.all_gather_object(errors, error)
-    if any(errors):
-        raise UserError(next(e for e in errors if e))
-    images = torch.cat(parts + [torch.zeros(share - len(mine), 3, *shape, dtype=torch.uint8)])
-    return gather(images.to(ctx.device))[:len(samples)]  # padded: all_gather needs equal shares
+        dist.all_gather_object(found, found[0])
+    shapes = set().union(*(shapes for _, shapes in found))
+    if any(error for error, _ in found):
+        raise UserError(next(error for error, _ in found if error))
+    if len(shapes) > 1:
+        sizes = " and ".join(f"{w}x{h}" for _, h, w in sorted(shapes)[:2])
+        raise UserError(f"imagefolder: {os.path.dirname(os.path.dirname(samples[0][0]))} holds "
+                        f"images of different sizes ({sizes} px, ...); add --stream")
+    padding = [torch.zeros(shapes.pop(), dtype=torch.uint8)] * (share - len(images))
+    return gather(torch.stack(images + padding).to(ctx.device))[:len(samples)]  # equal shares

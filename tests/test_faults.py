@@ -111,14 +111,14 @@ def test_a_run_folder_is_held_by_one_process(tiny_folder, stopped_run, tmp_path)
 
 
 def test_ctrl_c_mid_epoch_is_one_line_and_the_resume_is_exact(tiny_folder, tmp_path):
-    """SIGINT in the second of 2 epochs: one line `interrupted in epoch 2; continue with
-    --resume RUN`, exit status 130 (SIGTERM: 143), no temp file; the resume (which the dead
-    run's lock does not block) ends with every checkpoint tensor and loss of an uninterrupted
-    run."""
+    """SIGINT in the second of 2 epochs: one line `interrupted; continue with --resume RUN`,
+    exit status 130 (SIGTERM: the process ends at once, silently), no temp file; the resume
+    (which the dead run's lock does not block) ends with every checkpoint tensor and loss of an
+    uninterrupted run."""
     argv = lambda out: smoke_args(tiny_folder, out, "--epochs", "2", *SMALL)  # noqa: E731
     simclr_dcl.main(argv(tmp_path / "straight"))
     straight = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=True)
-    for signum, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+    for signum, code in ((signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)):
         out = tmp_path / signum.name
 
         def signal_in_step_6():  # epoch 2's second step (4 steps an epoch)
@@ -135,8 +135,8 @@ def test_ctrl_c_mid_epoch_is_one_line_and_the_resume_is_exact(tiny_folder, tmp_p
         run = script(argv(out), err, signal_in_step_6)
         run.join(timeout=300)
         assert run.exitcode == code, err.read_text()[-2000:]
-        assert shown_lines(err.read_text()) == [
-            f"interrupted in epoch 2; continue with --resume {out}"]
+        assert shown_lines(err.read_text()) == (
+            [f"interrupted; continue with --resume {out}"] if signum == signal.SIGINT else [])
         assert not temp_files(out) and len(open(out / "metrics.jsonl").readlines()) == 1
         simclr_dcl.main(["--resume", str(out)])
         resumed = torch.load(out / "checkpoint.pt", weights_only=True)
@@ -202,8 +202,7 @@ def test_a_failed_write_keeps_the_previous_metrics_and_no_partial_results(
     before = (run / "metrics.jsonl").read_bytes()
     fill_disk_for(monkeypatch, "metrics.jsonl")
     fails_with(["--resume", str(run)], capsys, f"cannot write {run / 'metrics.jsonl'} (No space "
-               f"left on device); the last good checkpoint (epoch 1) is kept in {run}: free some "
-               f"space, then continue with --resume {run}")
+               f"left on device); the last good checkpoint is kept: continue with --resume {run}")
     assert (run / "metrics.jsonl").read_bytes() == before and not temp_files(run)
 
     fill_disk_for(monkeypatch, "results.json")
@@ -232,8 +231,7 @@ def test_a_full_disk_is_one_error_line_and_leaves_no_temp_file(tiny_folder, tmp_
         out = disk / "run"
         fails_with(smoke_args(tiny_folder, out, "--epochs", "2", *SMALL), capsys,
                    f"cannot write {out / 'checkpoint.pt'} (No space left on device); the last "
-                   f"good checkpoint (epoch 1) is kept in {out}: free some space, then continue "
-                   f"with --resume {out}")
+                   f"good checkpoint is kept: continue with --resume {out}")
         assert not temp_files(out)
         assert torch.load(out / "checkpoint.pt", weights_only=True)["epoch"] == 1
     finally:
@@ -257,42 +255,33 @@ def test_a_damaged_png_that_pillow_rejects_with_a_syntax_error_is_named(tiny_fol
         common.ImageFiles([(str(bad), 0)], 16)[0]
 
 
-@pytest.mark.parametrize("link, target", [("train/class0/loop", "."),
-                                          ("train/class1/again.png", "../class0/0.png")],
-                         ids=["loop", "image-twice"])
-def test_a_link_that_repeats_images_is_refused(tiny_folder, tmp_path, capsys, link, target):
-    """ImageFolder follows links: `ln -s . train/class0/loop` counted class0 about 40 times."""
-    data = shutil.copytree(tiny_folder, tmp_path / "data")
-    os.symlink(target, data / link)
-    fails_with(smoke_args(data, tmp_path / "out"), capsys, f"imagefolder: {data / link} ")
-    assert not (tmp_path / "out").exists()
-
-
 GONE = object()  # an option removed from config.json
 
 
-@pytest.mark.parametrize("args, message", [
-    ({"temperature": GONE}, "has no --temperature: add the value that run was trained with"),
-    ({"epochs": "2"}, '--epochs is "2", which the command line reads as 2'),
-    ({"epochs": 2.5}, "argument --epochs: invalid int value: '2.5'"),
-    ({"epochs": -3}, "argument --epochs: must be 0 or a positive integer, got -3"),
-    ({"crop_scale": [1, 0.5]}, "--crop-scale 1.0 0.5: need 0 < MIN <= MAX <= 1"),
-    ({"loss": "dcl2"}, "argument --loss: invalid choice: 'dcl2'"),
-    ({"symmetric": True}, "has options this script does not know (--symmetric)"),
-    ({"data_path": "mmap"}, 'data_path is "mmap"; it must be one of held, streamed'),
-    ([], 'holds no "args" object'),
-    (None, 'holds no "args" object'),  # config.json is `null`
-], ids=["missing", "string", "float", "negative", "crop", "choice", "unknown", "data-path", "list",
-        "null"])
+@pytest.mark.parametrize("args, argv, message", [
+    ({"temperature": GONE}, [], "has no --temperature: add the value that run was trained with"),
+    ({"epochs": "2"}, [], '--epochs is "2", which the command line reads as 2'),
+    ({"temperature": 0.2}, [], "--temperature is 0.2, which the command line reads as 0.1"),
+    ({}, ["--epochs", "2.5"], "argument --epochs: invalid int value: '2.5'"),
+    ({}, ["--epochs", "-3"], "argument --epochs: must be 0 or a positive integer, got -3"),
+    ({}, ["--crop-scale", "1", "0.5"], "--crop-scale 1.0 0.5: need 0 < MIN <= MAX <= 1"),
+    ({}, ["--loss", "dcl2"], "argument --loss: invalid choice: 'dcl2'"),
+    ({}, ["--symmetric"], "unrecognized arguments: --symmetric"),
+    ([], None, "has no --dataset: add the value that run was trained with"),
+    (None, None, "no readable config.json with its command line"),  # config.json is `null`
+], ids=["missing", "string", "default-changed", "float", "negative", "crop", "choice", "unknown",
+        "list", "null"])
 def test_a_saved_config_is_checked_as_the_command_line_is(stopped_run, tmp_path, capsys, args,
-                                                          message):
-    """config.json on --resume: a missing option (it took today's default), a wrong type, a value
-    out of range or not a choice, an unknown option, and no options at all are one line each."""
+                                                          argv, message):
+    """config.json on --resume: its recorded command line is parsed again and must give the
+    recorded options. A missing option, one that reads otherwise now (a default changed since the
+    run), a value the parser refuses and no options at all are one line each."""
     run = copy_of(stopped_run, tmp_path)
     config = json.load(open(run / "config.json"))
     if isinstance(args, dict):
         config["args"].update(args)
         config["args"] = {k: v for k, v in config["args"].items() if v is not GONE}
+        config["argv"] += argv
     else:
         config = None if args is None else {**config, "args": args}
     (run / "config.json").write_text(json.dumps(config))
@@ -300,21 +289,10 @@ def test_a_saved_config_is_checked_as_the_command_line_is(stopped_run, tmp_path,
     assert (run / "metrics.jsonl").read_bytes() == (stopped_run / "metrics.jsonl").read_bytes()
 
 
-@pytest.mark.parametrize("line", [b"\n", b"garbage\n", b'{"loss": 1.0}\n', b'"\xff"\n'],
-                         ids=["blank", "garbage", "no-epoch", "not-utf8"])
-def test_a_damaged_metrics_line_is_one_error_line(stopped_run, tmp_path, capsys, line):
-    run = copy_of(stopped_run, tmp_path)
-    with open(run / "metrics.jsonl", "ab") as f:
-        f.write(line)
-    before = (run / "metrics.jsonl").read_bytes()
-    fails_with(["--resume", str(run)], capsys, f"{run / 'metrics.jsonl'} line 2 is ")
-    assert (run / "metrics.jsonl").read_bytes() == before
-
-
 @pytest.mark.parametrize("checkpoint, message", [
-    (torch.zeros(3), "is not a checkpoint of this project (no count of epochs done)"),
-    ({"model": {}}, "is not a checkpoint of this project (no count of epochs done)"),
-    ({"epoch": 1}, "holds no model, optimizer: it is not from this script and options"),
+    (torch.zeros(3), "is unreadable or not this run's (IndexError"),
+    ({"model": {}}, "is unreadable or not this run's (RuntimeError"),
+    ({"epoch": 1}, "is unreadable or not this run's (KeyError: 'model')"),
 ], ids=["tensor", "no-epoch", "no-model"])
 def test_a_checkpoint_of_the_wrong_structure_is_one_error_line(stopped_run, tmp_path, capsys,
                                                                checkpoint, message):

@@ -160,46 +160,18 @@ def test_an_image_folder_is_decoded_once(tiny_folder):
     data = common.load_data(args, CPU_CTX)
     assert data.eval_train[0] is data.train and data.train.dtype == torch.uint8
     assert data.train.shape == (72, 3, 20, 24) and len(data.eval_test[1]) == 18
-    assert args.data_path == "held" and not data.streaming
+    assert not data.streaming
 
 
-def test_the_free_memory_never_chooses_how_an_image_folder_is_augmented(
-    tiny_folder, tmp_path, monkeypatch
-):
-    """Held where that loses nothing (every file of a split one size, kept whole), else streamed,
-    with little free memory as with much. The tiny folder held whole needs (72 + 18) x 3 x 20 x
-    24 = 129,600 bytes; one image of another size makes a folder stream. Where the whole files do
-    not fit at all, the run is refused (add --stream), not switched to the other path."""
+def test_an_image_folder_whose_images_differ_in_size_needs_stream(tiny_folder, tmp_path, capsys):
+    """Held, each file is kept whole (the crop samples the full image): one image of another size
+    is one line naming --stream, with which the folder streams."""
     mixed = tiny_image_folder(str(tmp_path / "mixed"), 2, 8, 2)
     Image.new("RGB", (20, 24)).save(tmp_path / "mixed" / "train" / "class1" / "3.png")
-    sysconf = os.sysconf
-
-    def path(folder, free):  # CPU: free bytes = SC_AVPHYS_PAGES x SC_PAGE_SIZE
-        pages = {"SC_AVPHYS_PAGES": free, "SC_PAGE_SIZE": 1}
-        monkeypatch.setattr(os, "sysconf", lambda name: pages.get(name) or sysconf(name))
-        args = _args(folder)
-        data = common.load_data(args, CPU_CTX)
-        return data.streaming, getattr(args, "data_path", None), tuple(data.train[0][0].shape)
-
-    assert path(tiny_folder, 130_000) == path(tiny_folder, 10**12) == (False, "held", (20, 24))
-    assert path(mixed, 130_000) == path(mixed, 10**12) == (True, "streamed", (2, 3, 16, 16))
-    with pytest.raises(common.UserError, match="add --stream"):
-        path(tiny_folder, 100_000)
-
-
-def test_a_resumed_run_keeps_its_image_folder_path(tiny_folder, tmp_path):
-    """config.json's args.data_path comes back with --resume and is the path taken, even where
-    the folder alone would now choose the other."""
-    args = _args(tiny_folder)
-    os.makedirs(tmp_path / "run")
-    saved = {**json.loads(json.dumps(vars(args))), "out": str(tmp_path / "run"),
-             "data_path": "streamed"}
-    with open(tmp_path / "run" / "config.json", "w") as f:
-        json.dump({"script": "simclr_dcl", "args": saved}, f)
-    import simclr_dcl
-
-    resumed = simclr_dcl.parse_args(["--resume", str(tmp_path / "run")])
-    assert resumed.data_path == "streamed" and common.load_data(resumed, CPU_CTX).streaming
+    with pytest.raises(common.UserError, match="images of different sizes .*; add --stream"):
+        common.load_data(_args(mixed), CPU_CTX)
+    data = common.load_data(_args(mixed, "--stream"), CPU_CTX)
+    assert data.streaming and tuple(data.train[0][0].shape) == (2, 3, 16, 16)
 
 
 def test_image_folder_evaluation_is_resize_to_s_over_0875_then_centre_crop(tmp_path):
