@@ -796,9 +796,9 @@ RUN = {"out": None, "argv": None}  # this process's run folder and command line 
 
 
 def run(main):
-    """Call `main()`. A UserError or an OSError (a full disk, a read-only folder) is one `error:`
-    line, exit status 2; Ctrl-C one line naming --resume, exit status 130 (SIGTERM, as Slurm and
-    torchrun send, ends the process at once: exit status 143). Every rank stops; rank 0 speaks."""
+    """Call `main()`: a UserError or an OSError (a full disk, a read-only folder) is one `error:`
+    line, exit status 2; Ctrl-C one line naming --resume, exit status 130. (SIGTERM ends the
+    process at once: exit status 143.)"""
     rank = int(os.environ.get("RANK", 0))  # set before any process group exists
     try:
         main()
@@ -844,15 +844,14 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 def add_common_args(parser):
-    """The shared options; each method file sets its own batch, epochs, lr, wd, warm-up, crop."""
+    """The shared options; each method file sets its batch, epochs, lr, wd, warm-up, crop."""
     a = parser.add_argument
     a("--dataset", choices=["cifar10", "cifar100", "stl10", "imagefolder"], default="cifar10",
       help="imagefolder reads DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*")
     a("--data-dir", default="./data", help="where the data set is (CIFAR/STL-10 download here)")
     a("--image-size", type=positive_int, help="default: 32 CIFAR, 96 STL-10, 224 imagefolder")
-    a("--stream", action="store_true", help="imagefolder: decode and crop in DataLoader workers "
-      "every epoch (needed where the images differ in size, as ImageNet's; else the folder is "
-      "decoded once and held on the device)")
+    a("--stream", action="store_true", help="imagefolder: DataLoader workers decode and crop "
+      "every epoch (needed where images differ in size, as ImageNet's; else held on the device)")
     a("--workers", type=non_negative_int, default=min(8, os.cpu_count() or 1), help="decoders")
     a("--limit-train", type=positive_int, help="use only N training images: the first N "
       "(imagefolder: N spread over its class folders)")
@@ -863,9 +862,8 @@ def add_common_args(parser):
     a("--lr", type=positive_float, help="base learning rate per 256 images (lr = LR * batch / 256)")
     a("--wd", type=non_negative_float, help="weight decay")
     a("--warmup-epochs", type=non_negative_int, help="linear learning-rate warm-up epochs")
-    a("--optimizer", choices=["sgd", "lars"], default="sgd", help="pre-training: SGD momentum "
-      "0.9, or LARS (common.LARS; batch-norm and bias parameters without weight decay and trust "
-      "ratio)")
+    a("--optimizer", choices=["sgd", "lars"], default="sgd", help="SGD momentum 0.9, or LARS "
+      "(common.LARS: batch-norm and bias parameters without weight decay and trust ratio)")
     a("--lars-eta", type=positive_float, default=0.001,
       help="LARS trust coefficient eta (0.001: SimCLR's lars_optimizer.py)")
     a("--lars-clip", action=argparse.BooleanOptionalAction, default=False,
@@ -880,21 +878,17 @@ def add_common_args(parser):
     a("--online-probe", action=argparse.BooleanOptionalAction, default=False,
       help="solo-learn's online linear classifier on the training views' detached features")
     a("--linear-protocol", choices=list(LINEAR_PROTOCOLS), default="fixed", help="the final "
-      "linear probe on the frozen backbone: fixed = this project's fast probe, AdamW on fixed "
-      "standardised features; gsg-cifar = GSG Sec. 5.1, SGD lr 30, 90 epochs, cosine; moco = "
-      "MoCo's main_lincls.py, SGD lr 30, 100 epochs, x0.1 at 60 and 80; simsiam-imagenet = "
-      "SimSiam's and GSG's main_lincls.py --lars, LARS lr 0.1 per 256, batch 4096, 90 epochs, "
-      "cosine (the last three on crop+flip views)")
-    a("--linear-epochs", type=non_negative_int,
-      help="probe epochs (None: the protocol's; 0: no probe)")
+      "probe on the frozen backbone: fixed = this project's, AdamW on fixed features; the "
+      "authors' on crop+flip views: gsg-cifar (GSG Sec. 5.1), moco and simsiam-imagenet (their "
+      "main_lincls.py); settings: common.LINEAR_PROTOCOLS")
+    a("--linear-epochs", type=non_negative_int, help="probe epochs (None: the protocol's; 0: none)")
     a("--linear-lr", type=positive_float, help="probe lr per 256 images (None: the protocol's)")
     a("--linear-batch", type=positive_int, help="probe batch (None: the protocol's)")
     a("--seed", type=seed_value, default=0, help="seed of model init, data order, augmentation")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu",
       help="cuda, cuda:N or cpu (under torchrun, cuda means cuda:LOCAL_RANK)")
     a("--amp", action=argparse.BooleanOptionalAction, help="bf16 autocast (default: native bf16)")
-    a("--compile", action=argparse.BooleanOptionalAction, default=False,
-      help="torch.compile the model (one process only)")
+    a("--compile", action=argparse.BooleanOptionalAction, default=False, help="torch.compile")
 
 
 # The options --resume may change; every other one comes from the run's recorded command line.
@@ -905,17 +899,14 @@ RESUMABLE = {"resume", "device", "data_dir", "workers", "stop_after", "eval_ever
 
 def parse_args(parser, argv, script):
     """A new run gets a fresh --out (a folder holding a run is refused). --resume RUN parses RUN's
-    recorded command line again, followed by this one, which may change only the options in
-    RESUMABLE; an option the script now reads otherwise than that run did (a default changed
-    since, or config.json edited) is refused."""
+    recorded command line and this one after it, which may change only the RESUMABLE options; an
+    option read otherwise than recorded (a default changed since the run) is refused."""
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parse(parser, argv)
     if args.resume is None:
         # the process id keeps apart runs started in the same second (rank 0's names the folder)
         default = f"{script}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         args.out = args.out or os.path.join("runs", default)
-        if os.path.exists(args.out) and not os.path.isdir(args.out):
-            raise UserError(f"--out {args.out} is a file; choose a folder")
         refuse_a_held_folder(args.out)  # checked again under the folder's lock (start_run)
         RUN.update(out=args.out, argv=argv)
         return args
@@ -941,19 +932,17 @@ def parse_args(parser, argv, script):
         if value != json.loads(json.dumps(then[key])):
             raise UserError(f"run {run} was trained with {option} {then[key]}, not {value}; drop "
                             f"that option to continue it, or start a new --out")
-        if key not in saved:
-            raise UserError(f"{path} has no {option}: add the value that run was trained with "
-                            f"(\"{key}\": ...), or start a new --out")
-        if value is not None and value != saved[key]:  # None: filled in later (--image-size)
-            raise UserError(f"{path}: {option} is {json.dumps(saved[key])}, which the command "
-                            f"line reads as {json.dumps(value)}; write it so, or start a new --out")
+        if value is not None and value != saved.get(key, "missing"):  # None: set later (size)
+            was = json.dumps(saved[key]) if key in saved else "missing"
+            raise UserError(f"{path}: {option} is {was}, which the command line reads as "
+                            f"{json.dumps(value)}; start a new --out")
     args.out = RUN["out"] = run
     return args
 
 
 def parse(parser, argv, path=None):
     """parser.parse_args(argv) and the crop-scale check; a recorded command line (from `path`)
-    that fails them is one line, not argparse's usage and exit."""
+    that fails them is one line."""
     def refuse(message):
         raise UserError(f"{path}: its command line fails the check ({message}); start a new --out")
     error, parser.error = parser.error, refuse if path else parser.error
@@ -995,8 +984,8 @@ def setup(args):
 
 # ---------------------------------------------------------------------------------------- epoch log
 class EpochMeter:
-    """The epoch's progress bar (this rank's mean loss, lr, images/s; the host syncs only every
-    `every` steps) and, from summary(), each scalar's mean over steps and ranks."""
+    """The progress bar (loss, lr, images/s; the host waits only every `every` steps) and, from
+    summary(), each scalar's mean over steps and ranks."""
 
     def __init__(self, ctx, epoch, epochs, steps, images_per_step, every=20):
         self.ctx, self.epoch, self.every, self.images_per_step = ctx, epoch, every, images_per_step
@@ -1028,7 +1017,7 @@ class EpochMeter:
 def check_finite(record):
     if not math.isfinite(record["loss"]):
         kept = f"epoch {record['epoch'] - 1}'s checkpoint is kept" if record["epoch"] > 1 else \
-            "no checkpoint was written"
+            "no checkpoint was written"  # (the NaN or inf loss stops every rank alike)
         raise UserError(f"loss became {record['loss']} in epoch {record['epoch']}; {kept}; lower "
                         f"--lr, check --wd and the temperatures, or try --no-amp")
 
@@ -1049,9 +1038,9 @@ LOCKS = {}  # run folder (its real path) -> the open OUT/.lock whose flock this 
 
 
 def hold_run_folder(out):
-    """One process at a time runs or resumes a folder: rank 0 holds an exclusive flock on
-    OUT/.lock, which the kernel drops when the process ends, however it ends. Held by another
-    process: one line naming it. A temp file found then is a killed write's: removed."""
+    """One process at a time runs or resumes a folder: an exclusive flock on OUT/.lock, which the
+    kernel drops when the process ends, however it ends. A temp file found then is a killed
+    write's: removed."""
     if os.path.realpath(out) in LOCKS:  # a run and its resume in one Python session
         return
     f = open(os.path.join(out, ".lock"), "a+", encoding="utf-8")
@@ -1073,17 +1062,15 @@ def hold_run_folder(out):
             os.remove(os.path.join(out, name))
 
 
-def refuse_a_held_folder(out):
-    # a run that stopped before its first checkpoint may be started again in its folder
+def refuse_a_held_folder(out):  # a run that stopped before its first checkpoint may start again
     if any(os.path.exists(os.path.join(out, name)) for name in ("checkpoint.pt", "results.json")):
         raise UserError(f"--out {out} already holds a run: continue it with --resume {out}, or "
                         f"choose another --out")
 
 
 def write_atomic(path, write):
-    """Write a run folder's file whole or not at all: `write(f)` fills a temp file beside `path`,
-    flushed to disk, then renamed over `path`. A kill or a full disk leaves the previous file (or
-    none) and no temp file; an OS error is one line."""
+    """A run folder's file whole or not at all: `write(f)` fills a temp file, flushed to disk, then
+    renamed over `path`; a kill or a full disk leaves the previous file (or none)."""
     temp = path + ".tmp"
     try:
         with open(temp, "wb") as f:
@@ -1108,8 +1095,8 @@ def save_atomic(obj, path):
 
 
 def start_run(args, ctx, script):
-    """Take the run folder (its lock) and write its config.json (a resumed run keeps its own).
-    Called once the data and the model are ready: a run that fails to start leaves nothing."""
+    """Take the run folder (its lock), write config.json. Called once the data and the model are
+    ready: a run that fails to start leaves nothing."""
     if ctx.rank != 0 or args.resume:
         return
     os.makedirs(ctx.out, exist_ok=True)
@@ -1134,8 +1121,7 @@ def save_checkpoint(ctx, epoch, states):
 
 
 def load_checkpoint(ctx, states):
-    """Take the run folder (its lock), load each named state from its checkpoint.pt, and keep
-    only the metrics lines of the epochs it holds -> the epochs done."""
+    """Take the run folder (its lock), load each state from checkpoint.pt -> the epochs done."""
     if ctx.rank == 0:
         hold_run_folder(ctx.out)
     path, results = (os.path.join(ctx.out, name) for name in ("checkpoint.pt", "results.json"))
@@ -1163,21 +1149,17 @@ def load_checkpoint(ctx, states):
 
 
 def finish(ctx, backbone, results):
-    """backbone.pt (CPU tensors, torchvision's names) and results.json, then the accuracies printed
-    and the run folder let go. A finished run evaluated again (--resume) writes eval-<time>.json
-    beside them (and backbone.pt again, from the checkpoint, if it is gone)."""
+    """backbone.pt (CPU tensors, torchvision's names) and results.json; the folder let go. A
+    finished run evaluated again (--resume) writes eval-<time>.json (and a missing backbone.pt)."""
     if ctx.rank != 0:
         return
     path, weights = (os.path.join(ctx.out, name) for name in ("results.json", "backbone.pt"))
-    stamp, n = time.strftime("eval-%Y%m%d-%H%M%S"), 1
-    while os.path.exists(path):  # evaluated again (twice in one second: -2, -3, ...)
-        path, n = os.path.join(ctx.out, f"{stamp}{f'-{n}' if n > 1 else ''}.json"), n + 1
+    if os.path.exists(path):  # evaluated again
+        path = os.path.join(ctx.out, f"eval-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json")
     if not os.path.exists(weights):
         save_atomic({k: v.cpu() for k, v in backbone.state_dict().items()}, weights)
     write_atomic(path, lambda f: f.write(json.dumps(results, indent=2).encode()))
-    lock = LOCKS.pop(os.path.realpath(ctx.out), None)
-    if lock:
-        lock.close()  # closing the file drops its flock
+    LOCKS.pop(os.path.realpath(ctx.out)).close()  # closing the file drops its flock
     line = (f"final kNN top-1 (k={results['knn_k']}): {results['knn_top1']:.2f}%  "
             f"kNN top-1 (k=1): {results['knn_k1_top1']:.2f}%")
     if "linear_top1" in results:
@@ -1194,10 +1176,9 @@ STATS = {"cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
 
 @dataclass
 class Data:
-    """The pre-training set and two evaluation splits, labels -1 where unlabelled. On the device:
-    `train` uint8 (N, 3, H, W), the splits (images, labels), eval_train sharing train's tensor
-    where they are the same images; `whole`: image-folder files as decoded, evaluated through
-    eval_view (else H = W = S, evaluated as held). Streaming: ImageFiles that workers decode."""
+    """The pre-training set and two evaluation splits (labels -1: unlabelled): uint8 (N, 3, H, W)
+    and (images, labels) on the device (`whole`: files as decoded, evaluated through eval_view),
+    or, streaming, ImageFiles that DataLoader workers decode."""
     train: object
     train_labels: torch.Tensor
     eval_train: object
@@ -1237,11 +1218,16 @@ def load_data(args, ctx, crops=2):
 
 def torchvision_split(args, ctx, limit, **split):
     """CIFAR/STL-10 as uint8 (N, 3, S, S) and labels on the device. Each process downloads, or
-    finds and checks, the files under the data folder's lock: processes and nodes sharing a
-    --data-dir download into it one at a time, and each that finds no data stops with one line."""
+    finds and checks, the files holding the data folder's lock: one download at a time."""
     cls = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100,
            "stl10": torchvision.datasets.STL10}[args.dataset]
-    with data_dir_lock(args.data_dir):
+    try:
+        os.makedirs(args.data_dir, exist_ok=True)
+        lock = open(os.path.join(args.data_dir, ".download.lock"), "a")
+        fcntl.flock(lock, fcntl.LOCK_EX)  # closing the file releases it
+    except OSError:  # a read-only folder, a file system without flock: no lock
+        lock = contextlib.nullcontext()
+    with lock:
         try:
             cls(args.data_dir, download=True, **split)
         except Exception:  # URLError, RuntimeError("Dataset not found or corrupted"), ...
@@ -1255,37 +1241,17 @@ def torchvision_split(args, ctx, limit, **split):
     return images[:limit].contiguous().to(ctx.device), labels[:limit].long().to(ctx.device)
 
 
-@contextlib.contextmanager
-def data_dir_lock(folder):
-    """An exclusive flock on FOLDER/.download.lock while the block runs (none where the file
-    cannot be made, as in a read-only folder, or the file system has no flock)."""
-    try:
-        os.makedirs(folder, exist_ok=True)
-        lock = open(os.path.join(folder, ".download.lock"), "a")
-    except OSError:
-        yield
-        return
-    with lock:  # closing the file releases the lock
-        with contextlib.suppress(OSError):
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
 def image_folder(args, ctx, size, mean, std, crops):
-    """DATA_DIR/train and val as Data: decoded once and held on the device, each file whole (so
-    RandomResizedCrop samples the full image, as streaming's workers do), or with --stream
-    decoded and cropped by DataLoader workers every epoch."""
+    """DATA_DIR/train and val as Data: held on the device, each file whole (the crop samples the
+    full image, as streaming's does), or with --stream decoded by DataLoader workers each epoch."""
     folders = {}
     for split in ("train", "val"):
         root = os.path.join(args.data_dir, split)
-        if not os.path.isdir(root):
-            raise UserError(f"imagefolder: {root} does not exist; --data-dir needs train/ and "
-                            f"val/ folders with one subfolder of images per class")
         try:
             folders[split] = torchvision.datasets.ImageFolder(root)
-        except (FileNotFoundError, RuntimeError) as error:
-            raise UserError(f"imagefolder: {root} has no images in class folders ({error})") \
-                from None
+        except (FileNotFoundError, RuntimeError) as error:  # no folder, no class folders, no image
+            raise UserError(f"imagefolder: {error}; --data-dir needs train/ and val/ folders with "
+                            f"one subfolder of images per class") from None
         if len(folders[split].classes) < 2:
             raise UserError(f"imagefolder: {root} has {len(folders[split].classes)} class "
                             f"folder(s); kNN and linear evaluation need at least 2")
@@ -1302,17 +1268,15 @@ def image_folder(args, ctx, size, mean, std, crops):
         return Data(ImageFiles(train, size, crops, args.crop_scale), labels[0],
                     ImageFiles(train, size), ImageFiles(val, size), classes, size, mean, std,
                     streaming=True)
-    images = decode(train, args.workers, ctx)  # once: pre-training and kNN share it
-    return Data(images, labels[0], (images, labels[0]), (decode(val, args.workers, ctx),
-                                                         labels[1]), classes, size, mean, std,
-                whole=True)
+    images, val_images = (decode(s, args.workers).to(ctx.device) for s in (train, val))
+    return Data(images, labels[0], (images, labels[0]), (val_images, labels[1]), classes, size,
+                mean, std, whole=True)  # decoded once: pre-training and kNN share `images`
 
 
 class ImageFiles(torch.utils.data.Dataset):
     """(path, label) list -> uint8 (3, S, S), the evaluation view (eval_view); with `crops`,
-    uint8 (crops, 3, S, S), RandomResizedCrop + flip of the full image (the streaming train set:
-    cropping in the workers keeps full-size images off the device; colour runs there batched);
-    with `whole`, the image as decoded, uint8 (3, H, W) (decode())."""
+    (crops, 3, S, S), RandomResizedCrop + flip of the full image (streaming's training views, the
+    colour ops then batched on the device); with `whole`, the image as decoded, (3, H, W)."""
 
     def __init__(self, samples, size, crops=0, scale=(0.08, 1.0), whole=False):
         self.samples, self.crops, self.seed = samples, crops, 0
@@ -1329,15 +1293,12 @@ class ImageFiles(torch.utils.data.Dataset):
         path, label = self.samples[i]
         try:
             with Image.open(path) as image:
-                if image.mode[0] in "IF":  # I;16, I, F: convert("RGB") would clip them to 8 bits
-                    raise UserError(f"image {path} is {image.mode} (16-bit or float); convert "
-                                    f"it to 8 bits per channel")
-                image = image.convert("RGB")
-        except UserError:
-            raise
+                mode, image = image.mode, image.convert("RGB")
         except Exception as error:  # OSError, and the SyntaxError, ValueError, ... of damaged files
             raise UserError(f"unreadable image {path} ({type(error).__name__}); remove or "
                             f"replace it") from None
+        if mode[0] in "IF":  # I;16, I, F: convert("RGB") clipped them to 8 bits
+            raise UserError(f"image {path} is {mode} (16-bit or float); convert it to 8 bits")
         if not self.crops:
             return self.fixed(image), label
         with torch.random.fork_rng(devices=[]):  # the crops depend on (epoch seed, image) only:
@@ -1345,25 +1306,13 @@ class ImageFiles(torch.utils.data.Dataset):
             return torch.stack([self.random(image) for _ in range(self.crops)]), label
 
 
-def decode(samples, workers, ctx):
-    """Image files of one size -> uint8 (N, 3, H, W) whole, on every rank, each rank decoding its
-    share. Files of different sizes are refused: they stream (--stream)."""
-    share = -(-len(samples) // ctx.world)
-    mine = ImageFiles(samples[ctx.rank * share:(ctx.rank + 1) * share], None, whole=True)
-    images, error = [], ""
-    try:
-        images = [x for x, _ in torch.utils.data.DataLoader(mine, None, num_workers=workers)]
-    except UserError as e:
-        error = str(e)
-    found = [(error, {tuple(x.shape) for x in images})] * ctx.world
-    if ctx.world > 1:  # every rank stops at an unreadable file, not in a broken all_gather
-        dist.all_gather_object(found, found[0])
-    shapes = set().union(*(shapes for _, shapes in found))
-    if any(error for error, _ in found):
-        raise UserError(next(error for error, _ in found if error))
-    if len(shapes) > 1:
-        sizes = " and ".join(f"{w}x{h}" for _, h, w in sorted(shapes)[:2])
+def decode(samples, workers):
+    """Image files of one size -> uint8 (N, 3, H, W), each whole. Every rank decodes all: a folder
+    held on the device is small. Files of different sizes are refused: they stream (--stream)."""
+    files = ImageFiles(samples, None, whole=True)
+    images = [x for x, _ in torch.utils.data.DataLoader(files, None, num_workers=workers)]
+    if len({x.shape for x in images}) > 1:
+        sizes = sorted({f"{x.shape[2]}x{x.shape[1]}" for x in images})
         raise UserError(f"imagefolder: {os.path.dirname(os.path.dirname(samples[0][0]))} holds "
-                        f"images of different sizes ({sizes} px, ...); add --stream")
-    padding = [torch.zeros(shapes.pop(), dtype=torch.uint8)] * (share - len(images))
-    return gather(torch.stack(images + padding).to(ctx.device))[:len(samples)]  # equal shares
+                        f"images of different sizes ({', '.join(sizes[:3])} px); add --stream")
+    return torch.stack(images)

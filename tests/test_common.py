@@ -371,13 +371,13 @@ def fails_with(argv, capsys, message):
 
 
 def test_missing_data_directory(tmp_path, capsys):
-    fails_with(smoke_args(tmp_path / "nowhere", tmp_path / "out"), capsys, "does not exist")
+    fails_with(smoke_args(tmp_path / "nowhere", tmp_path / "out"), capsys, "No such file")
 
 
 def test_empty_data_directory(tmp_path, capsys):
     for split in ("train", "val"):
         os.makedirs(tmp_path / "data" / split)
-    fails_with(smoke_args(tmp_path / "data", tmp_path / "out"), capsys, "no images")
+    fails_with(smoke_args(tmp_path / "data", tmp_path / "out"), capsys, "Couldn't find any class folder")
 
 
 def test_image_folder_with_one_class(tmp_path, capsys):
@@ -481,7 +481,7 @@ def test_a_16_bit_image_is_refused_not_clipped(tiny_folder, tmp_path, capsys):
     bad = tmp_path / "data" / "val" / "class0" / "0.png"
     Image.fromarray((torch.arange(256).view(16, 16) * 256).numpy().astype("uint16")).save(bad)
     assert Image.open(bad).mode == "I;16"
-    fails_with(smoke_args(tmp_path / "data", tmp_path / "o"), capsys, f"{bad} is I;16")
+    fails_with(smoke_args(tmp_path / "data", tmp_path / "o"), capsys, f"image {bad} is I;16")
 
 
 def test_a_failed_start_leaves_no_run_folder(tmp_path, capsys, monkeypatch):
@@ -585,7 +585,7 @@ def test_option_values_that_cannot_run_are_refused(tiny_folder, tmp_path, capsys
         assert f"argument {option[0]}: must be" in capsys.readouterr().err
     fails_with(smoke_args(tiny_folder, tmp_path, "--crop-scale", "1", "0.5"), capsys, "MIN <= MAX")
     (tmp_path / "a_file").write_text("")
-    fails_with(smoke_args(tiny_folder, tmp_path / "a_file"), capsys, "is a file")
+    fails_with(smoke_args(tiny_folder, tmp_path / "a_file"), capsys, "File exists")
 
 
 def test_a_run_killed_between_logging_and_saving_an_epoch_logs_it_once(tiny_folder, tmp_path):

@@ -259,7 +259,7 @@ GONE = object()  # an option removed from config.json
 
 
 @pytest.mark.parametrize("args, argv, message", [
-    ({"temperature": GONE}, [], "has no --temperature: add the value that run was trained with"),
+    ({"temperature": GONE}, [], "--temperature is missing, which the command line reads as 0.1"),
     ({"epochs": "2"}, [], '--epochs is "2", which the command line reads as 2'),
     ({"temperature": 0.2}, [], "--temperature is 0.2, which the command line reads as 0.1"),
     ({}, ["--epochs", "2.5"], "argument --epochs: invalid int value: '2.5'"),
@@ -267,7 +267,7 @@ GONE = object()  # an option removed from config.json
     ({}, ["--crop-scale", "1", "0.5"], "--crop-scale 1.0 0.5: need 0 < MIN <= MAX <= 1"),
     ({}, ["--loss", "dcl2"], "argument --loss: invalid choice: 'dcl2'"),
     ({}, ["--symmetric"], "unrecognized arguments: --symmetric"),
-    ([], None, "has no --dataset: add the value that run was trained with"),
+    ([], None, "--dataset is missing, which the command line reads as \"imagefolder\""),
     (None, None, "no readable config.json with its command line"),  # config.json is `null`
 ], ids=["missing", "string", "default-changed", "float", "negative", "crop", "choice", "unknown",
         "list", "null"])
