@@ -364,31 +364,15 @@ def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
 
 
 def blend_op(x, op, factors):
-    """Image i's op op[i] (0 brightness, 1 contrast, 2 saturation, -1 none) with its factor."""
+    """Image i's op op[i] (0 brightness, 1 contrast, 2 saturation, -1 none) with its factor: a blend
+    with black, its mean grey or its grey, clamped to [0, 1] as torchvision's _blend."""
     grey = grayscale(x)  # (B, 1, H, W)
     other = torch.where((op == 0).view(-1, 1, 1, 1), 0.0,  # black, mean grey, grey
                         torch.where((op == 1).view(-1, 1, 1, 1),
                                     grey.mean(dim=(1, 2, 3), keepdim=True), grey))
     factor = torch.where(op >= 0, factors.gather(1, op.clamp(min=0)[:, None])[:, 0], 1.0)
-    return blend(x, other, factor)
-
-
-def blend(x, other, factor):
-    """factor * x + (1 - factor) * other, clamped to [0, 1]: torchvision's _blend, a factor (B,)."""
     factor = factor.view(-1, 1, 1, 1)
     return (factor * x + (1 - factor) * other).clamp(0, 1)
-
-
-def adjust_brightness(x, factor):  # blends with black
-    return blend(x, 0.0, factor)
-
-
-def adjust_contrast(x, factor):  # blends with the image's mean grey
-    return blend(x, grayscale(x).mean(dim=(1, 2, 3), keepdim=True), factor)
-
-
-def adjust_saturation(x, factor):  # blends with the image's grey
-    return blend(x, grayscale(x), factor)
 
 
 def adjust_hue(x, shift):
