@@ -536,38 +536,56 @@ def protocol_settings(protocol, epochs=None, lr=None, batch=None):
                                                             (epochs, lr, batch)))
 
 
+def train_linear(classifier, optimizer, batches, epochs, lr=None, scheduler=None, world=1):
+    """The probes' loop: each epoch the lr set to lr(epoch) where given, then a cross-entropy step
+    on each (features, labels) of batches(epoch), `scheduler` stepped after each step; with
+    `world` processes the gradient is the mean over the global batch."""
+    for epoch in range(epochs):
+        for group in optimizer.param_groups if lr else ():
+            group["lr"] = lr(epoch)
+        for features, y in batches(epoch):
+            loss = F.cross_entropy(classifier(features), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            for p in classifier.parameters() if world > 1 else ():
+                p.grad = all_reduce_sum(p.grad) / world
+            optimizer.step()
+            if scheduler:
+                scheduler.step()
+
+
+@torch.no_grad()
+def top1(classify, features, labels):
+    """Top-1 % of classify(features) over the labelled rows (-1: padding), 65536 rows at a time."""
+    correct = sum(int((classify(f).argmax(1) == y).sum())
+                  for f, y in zip(features.split(65536), labels.split(65536)))
+    return 100.0 * correct / int((labels >= 0).sum())
+
+
 def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed=0, batch=256,
                  lr=1e-3):
     """The `fixed` protocol, this project's own: a linear classifier on frozen features
     standardised with the training set's mean and std, AdamW (lr per 256 images) + cosine -> test
     top-1 %. Every rank computes the same from the same features."""
-    rows, test_rows = (train_y >= 0).nonzero()[:, 0], (test_y >= 0).nonzero()[:, 0]
-    total = 0
+    rows, total = (train_y >= 0).nonzero()[:, 0], 0
     for r in rows.split(65536):  # in chunks: no float32 copy of a float16 bank
         f = train_f[r].float()
         total = total + torch.stack([f.sum(0), (f * f).sum(0)])
     mean = total[0] / len(rows)
     std = (total[1] / len(rows) - mean ** 2).clamp_min(0).sqrt() + 1e-6
-    classifier = nn.Linear(train_f.shape[1], num_classes).to(train_f.device)
-    # a convex problem: a zero start. Nothing from the global RNG, whose state depends on how
-    # many DataLoaders ran before: a resumed run's differs from an uninterrupted run's
-    nn.init.zeros_(classifier.weight), nn.init.zeros_(classifier.bias)
+    standardised = lambda f: (f.float() - mean) / std  # noqa: E731
+    # a convex problem: a zero start (std 0), drawn from nothing global (linear_classifier)
+    classifier = linear_classifier(train_f.shape[1], num_classes, train_f.device, seed, std=0.0)
     optimizer = torch.optim.AdamW(classifier.parameters(), lr=lr * batch / 256, weight_decay=5e-4)
     steps = epochs * -(-len(rows) // batch)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
     generator = torch.Generator(device=train_f.device).manual_seed(seed)
-    for _ in range(epochs):
+
+    def batches(epoch):
         perm = rows[torch.randperm(len(rows), generator=generator, device=rows.device)]
-        for r in perm.split(batch):
-            loss = F.cross_entropy(classifier((train_f[r].float() - mean) / std), train_y[r])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-    with torch.no_grad():
-        predict = lambda r: classifier((test_f[r].float() - mean) / std).argmax(1)  # noqa: E731
-        correct = sum(int((predict(r) == test_y[r]).sum()) for r in test_rows.split(65536))
-    return 100.0 * correct / len(test_rows)
+        return ((standardised(train_f[r]), train_y[r]) for r in perm.split(batch))
+    train_linear(classifier, optimizer, batches, epochs, scheduler=schedule)
+    return top1(lambda f: classifier(standardised(f)), test_f, test_y)
 
 
 def linear_probe_augmented(backbone, data, ctx, protocol="gsg-cifar", epochs=None, lr=None,
@@ -595,31 +613,27 @@ def linear_probe_augmented(backbone, data, ctx, protocol="gsg-cifar", epochs=Non
         optimizer = torch.optim.SGD(classifier.parameters(), lr=peak, momentum=0.9)
     augment = Augment([Recipe(jitter=(0, 0, 0, 0), gray_p=0)], data.image_size, data.mean,
                       data.std, ctx)  # held images: crop + flip here; streamed: normalise only
-    was_training = backbone.training
-    backbone.eval()  # frozen: BatchNorm normalises with, and keeps, its running statistics
-    for epoch in range(epochs):
-        if own["schedule"] == "cosine":  # per epoch, as main_lincls.py's adjust_learning_rate
-            lr = peak * 0.5 * (1 + math.cos(math.pi * epoch / epochs))
-        else:  # MoCo: x0.1 at epochs 60 and 80 of 100 (here at 60% and 80% of the epochs)
-            lr = peak * 0.1 ** sum(epoch >= share * epochs for share in (0.6, 0.8))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+
+    def lr_at(epoch):  # per epoch, as main_lincls.py's adjust_learning_rate
+        if own["schedule"] == "cosine":
+            return peak * 0.5 * (1 + math.cos(math.pi * epoch / epochs))
+        # MoCo: x0.1 at epochs 60 and 80 of 100 (here at 60% and 80% of the epochs)
+        return peak * 0.1 ** sum(epoch >= share * epochs for share in (0.6, 0.8))
+
+    def batches(epoch):
         order, generator = epoch_generators(seed + 1, epoch, ctx.device)
         for x, y in train_batches(probe_set, batch, order, ctx, workers):
             views = augment(x, generator)[0]  # in float32, as in pre-training
             with torch.no_grad(), ctx.autocast():
                 features = backbone(views)
-            loss = F.cross_entropy(classifier(features.float()), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            for p in classifier.parameters():  # the mean gradient over the global batch
-                p.grad = all_reduce_sum(p.grad) / ctx.world
-            optimizer.step()
+            yield features.float(), y
+    was_training = backbone.training
+    backbone.eval()  # frozen: BatchNorm normalises with, and keeps, its running statistics
+    train_linear(classifier, optimizer, batches, epochs, lr=lr_at, world=ctx.world)
     backbone.train(was_training)
     test_f, test_y = extract_features(backbone, data.eval_test, data, ctx, workers, unit=False)
-    with torch.no_grad():  # features as in training: bf16 backbone, float32 classifier
-        correct = (classifier(test_f.float()).argmax(1) == test_y).sum()
-    return 100.0 * int(correct) / int((test_y >= 0).sum())
+    # features as in training: bf16 backbone, float32 classifier
+    return top1(lambda f: classifier(f.float()), test_f, test_y)
 
 
 class OnlineProbe:
@@ -662,8 +676,7 @@ class OnlineProbe:
         """Top-1 % on the test split, un-augmented, the backbone in eval mode (solo-learn's
         validation step)."""
         test_f, test_y = extract_features(backbone, data.eval_test, data, ctx, workers, unit=False)
-        correct = (self.classifier(float32(test_f)).argmax(1) == test_y).sum()
-        return 100.0 * int(correct) / int((test_y >= 0).sum())
+        return top1(lambda f: self.classifier(float32(f)), test_f, test_y)
 
     def state_dict(self):  # for checkpoint.pt
         return {"classifier": self.classifier.state_dict(),
