@@ -11,8 +11,8 @@ Part 1, what the methods build on (read it next to a method file):
                                 image), gaussian_blur, then torchvision's solarize, normalize
   data order and batches        epoch_generators, train_batches
   evaluation                    extract_features, knn_accuracy, linear_probe (this project's fast
-                                probe), linear_probe_augmented (the authors' LINEAR_PROTOCOLS),
-                                OnlineProbe (solo-learn's), evaluate
+                                probe) and linear_probe_augmented (the authors' LINEAR_PROTOCOLS),
+                                one loop: train_linear; OnlineProbe (solo-learn's), evaluate
   learning rate and optimisers  learning_rate, LARS, pretraining_optimizer
 Part 2, plumbing that changes nothing a method computes:
   errors and signals            UserError, run (one `error:` line; Ctrl-C: how to resume)
@@ -282,8 +282,7 @@ class Augment:
             jitter = rand(b) < r.jitter_p  # drawn before the factors
             factors = [1 - s + 2 * s * rand(b) for s in r.jitter[:3]]
             hue = r.jitter[3] * (2 * rand(b) - 1) if r.jitter[3] > 0 else None
-            # (b, 4): each image's own order of the four ops, as ColorJitter's randperm(4)
-            order = rand((b, 4)).argsort(1) if r.jitter_order == "random" else None
+            order = rand((b, 4)).argsort(1) if r.jitter_order == "random" else None  # (b, 4)
             x = torch.where(jitter.view(-1, 1, 1, 1), colour_jitter(x, *factors, hue, order), x)
         if r.gray_p > 0:
             x = where(r.gray_p, grayscale(x).expand_as(x), x)
@@ -522,9 +521,8 @@ def protocol_settings(protocol, epochs=None, lr=None, batch=None):
 
 
 def train_linear(classifier, optimizer, batches, epochs, lr=None, scheduler=None, world=1):
-    """The probes' loop: each epoch the lr set to lr(epoch) where given, then a cross-entropy step
-    on each (features, labels) of batches(epoch), `scheduler` stepped after each step; with
-    `world` processes the gradient is the mean over the global batch."""
+    """The probes' loop: per epoch the lr set to lr(epoch) if given, then a cross-entropy step on
+    each (features, labels) of batches(epoch), stepping `scheduler`; gradient: the global mean."""
     for epoch in range(epochs):
         for group in optimizer.param_groups if lr else ():
             group["lr"] = lr(epoch)
@@ -597,10 +595,9 @@ def linear_probe_augmented(backbone, data, ctx, protocol="gsg-cifar", epochs=Non
     augment = Augment([Recipe(jitter=(0, 0, 0, 0), gray_p=0)], data.image_size, data.mean,
                       data.std, ctx)  # held images: crop + flip here; streamed: normalise only
 
-    def lr_at(epoch):  # per epoch, as main_lincls.py's adjust_learning_rate
-        if own["schedule"] == "cosine":
+    def lr_at(epoch):  # per epoch, as main_lincls.py's adjust_learning_rate; MoCo's steps: x0.1
+        if own["schedule"] == "cosine":  # at epochs 60 and 80 of 100, here at 60% and 80% of them
             return peak * 0.5 * (1 + math.cos(math.pi * epoch / epochs))
-        # MoCo: x0.1 at epochs 60 and 80 of 100 (here at 60% and 80% of the epochs)
         return peak * 0.1 ** sum(epoch >= share * epochs for share in (0.6, 0.8))
 
     def batches(epoch):
