@@ -11,8 +11,8 @@ Part 1, what the methods build on (read it next to a method file):
                                 image), gaussian_blur, then torchvision's solarize, normalize
   data order and batches        epoch_generators, train_batches
   evaluation                    extract_features, knn_accuracy, linear_probe (this project's fast
-                                probe), linear_probe_augmented (the authors' LINEAR_PROTOCOLS),
-                                OnlineProbe (solo-learn's), evaluate
+                                probe) and linear_probe_augmented (the authors' LINEAR_PROTOCOLS),
+                                one loop: train_linear; OnlineProbe (solo-learn's), evaluate
   learning rate and optimisers  learning_rate, LARS, pretraining_optimizer
 Part 2, plumbing that changes nothing a method computes:
   errors                        UserError, run (one `error:` line; Ctrl-C: how to resume)
@@ -94,8 +94,8 @@ class _GatherWithGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad, rows = all_reduce_sum(grad.contiguous()), grad.shape[0] // dist.get_world_size()
-        return grad[dist.get_rank() * rows:(dist.get_rank() + 1) * rows]
+        grad, rows = all_reduce_sum(grad.contiguous()), grad.shape[0] // world_size()
+        return grad[rank() * rows:(rank() + 1) * rows]
 
 
 def gather_with_grad(x):
@@ -174,8 +174,7 @@ def compile_model(net, ctx):
     failures, and no multi-GPU run of this project has passed with it yet."""
     if ctx.world > 1:
         warnings.warn("--compile is ignored with more than one process (DDP + SyncBatchNorm)")
-        return net
-    return torch.compile(net)
+    return torch.compile(net) if ctx.world == 1 else net
 
 
 def to_device(t, device):
@@ -192,10 +191,9 @@ def float32(t):
 # ------------------------------------------------------------------------------------------- ResNet
 class ResNet(nn.Module):
     """ResNet-18/34/50 backbone: image (B, 3, S, S) -> features (B, out_dim), no classifier.
-    Written out, not torchvision's class, so that `width` (--width) can shrink every layer; its
-    blocks and names are torchvision's: at width 64 the weights load into torchvision's resnet
-    (fc dropped). Up to 64 px the CIFAR stem (3x3 stride-1 conv, no max-pool): the ImageNet one
-    would shrink 32 px to 8 before layer1."""
+    Written out so that `width` (--width) can shrink every layer; blocks and names are torchvision's
+    (at width 64 the weights load into its resnet, fc dropped). Up to 64 px the CIFAR stem (3x3
+    stride-1 conv, no max-pool): the ImageNet one would shrink 32 px to 8 before layer1."""
     LAYERS = {"resnet18": (BasicBlock, [2, 2, 2, 2]), "resnet34": (BasicBlock, [3, 4, 6, 3]),
               "resnet50": (Bottleneck, [3, 4, 6, 3])}
 
@@ -203,8 +201,7 @@ class ResNet(nn.Module):
         super().__init__()
         block, blocks = self.LAYERS[arch]
         small = image_size <= 64
-        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False) if small else \
-            nn.Conv2d(3, width, 7, 2, 3, bias=False)
+        self.conv1 = nn.Conv2d(3, width, *((3, 1, 1) if small else (7, 2, 3)), bias=False)
         self.bn1 = nn.BatchNorm2d(width)
         self.maxpool = nn.Identity() if small else nn.MaxPool2d(3, 2, 1)
         c_in = width
@@ -233,16 +230,14 @@ class ResNet(nn.Module):
 
 # ------------------------------------------------------------------------------------- augmentation
 @dataclass
-class Recipe:
-    """One view's augmentation: which ops, their strengths and probabilities."""
+class Recipe:  # one view's augmentation
     crop_scale: tuple = (0.08, 1.0)
     crop_ratio: tuple = (3 / 4, 4 / 3)
     flip_p: float = 0.5
     jitter: tuple = (0.4, 0.4, 0.4, 0.1)  # brightness, contrast, saturation, hue
     jitter_p: float = 0.8
     # random: a new order of the four ops per image, as torchvision's ColorJitter draws one per
-    # call (transforms.py, ColorJitter.get_params: randperm(4)); fixed: brightness, contrast,
-    # saturation, hue for every image
+    # call (transforms.py, ColorJitter.get_params: randperm(4)); fixed: b, c, s, h for every image
     jitter_order: str = "random"
     gray_p: float = 0.2
     blur_p: float = 0.0
@@ -283,8 +278,7 @@ class Augment:
             jitter = rand(b) < r.jitter_p  # drawn before the factors
             factors = [1 - s + 2 * s * rand(b) for s in r.jitter[:3]]
             hue = r.jitter[3] * (2 * rand(b) - 1) if r.jitter[3] > 0 else None
-            # (b, 4): each image's own order of the four ops, as ColorJitter's randperm(4)
-            order = rand((b, 4)).argsort(1) if r.jitter_order == "random" else None
+            order = rand((b, 4)).argsort(1) if r.jitter_order == "random" else None  # (b, 4)
             x = torch.where(jitter.view(-1, 1, 1, 1), colour_jitter(x, *factors, hue, order), x)
         if r.gray_p > 0:
             x = where(r.gray_p, grayscale(x).expand_as(x), x)
@@ -308,11 +302,9 @@ def sample_crop_boxes(rand, n, height, width, scale, ratio, tries=10):
     fits = (w > 0) & (h > 0) & (w <= width) & (h <= height)
     first = fits.float().argmax(1, keepdim=True)  # the first draw that fits
     w, h, found = w.gather(1, first)[:, 0], h.gather(1, first)[:, 0], fits.any(1)
-    fw, fh = width, height  # the fallback: the whole image, cut to the nearest allowed ratio
-    if width / height < ratio[0]:
-        fh = round(width / ratio[0])
-    elif width / height > ratio[1]:
-        fw = round(height * ratio[1])
+    # the fallback: the whole image, cut to the nearest allowed ratio
+    fh = round(width / ratio[0]) if width / height < ratio[0] else height
+    fw = round(height * ratio[1]) if width / height > ratio[1] else width
     w, h = torch.where(found, w, float(fw)), torch.where(found, h, float(fh))
     u, v = rand((n,)), rand((n,))
     top = torch.where(found, torch.floor(u * (height - h + 1)), torch.floor((height - h) / 2))
@@ -333,16 +325,12 @@ def resized_crop_flip(x, top, left, h, w, flip, size):
 
 
 def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
-    """torchvision's ColorJitter on a batch: four ops, each image with its own factors (B,) and
-    its own order of the ops, `order` (B, 4): row i lists image i's ops by index 0 brightness,
-    1 contrast, 2 saturation, 3 hue (None: that order for every image). Factor 1 leaves an op's
-    image unchanged (hue: shift 0, or None to skip it).
-
-    Brightness, contrast and saturation are each a blend of the image with black, its mean grey
-    or its grey, so each image's ops before hue are three blend slots (a slot an image lacks
-    blends with factor 1: unchanged), then hue once, then three slots for its ops after hue. One
-    code path for every order and no host sync (grouping the images by op would read the group
-    sizes on the host)."""
+    """torchvision's ColorJitter on a batch: image i with its own factors (B,) and its own order
+    of the four ops, order[i] (B, 4) by index: 0 brightness, 1 contrast, 2 saturation, 3 hue (None:
+    that order for all). Factor 1 (hue: shift 0, or None to skip it) leaves the image unchanged.
+    The first three are blends (blend_op): each image's ops before hue fill three blend slots (one
+    it lacks blends with factor 1), then hue, then three slots after it. One code path for every
+    order and no host sync (grouping the images by op would read the group sizes on the host)."""
     b = len(x)
     order = torch.arange(4, device=x.device).expand(b, 4) if order is None else order
     slots = torch.arange(3, device=x.device).expand(b, 3)  # (B, 3)
@@ -360,31 +348,15 @@ def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
 
 
 def blend_op(x, op, factors):
-    """Image i's op op[i] (0 brightness, 1 contrast, 2 saturation, -1 none) with its factor."""
+    """Image i's op op[i] (0 brightness, 1 contrast, 2 saturation, -1 none) with its factor: a blend
+    with black, its mean grey or its grey, clamped to [0, 1] as torchvision's _blend."""
     grey = grayscale(x)  # (B, 1, H, W)
     other = torch.where((op == 0).view(-1, 1, 1, 1), 0.0,  # black, mean grey, grey
                         torch.where((op == 1).view(-1, 1, 1, 1),
                                     grey.mean(dim=(1, 2, 3), keepdim=True), grey))
     factor = torch.where(op >= 0, factors.gather(1, op.clamp(min=0)[:, None])[:, 0], 1.0)
-    return blend(x, other, factor)
-
-
-def blend(x, other, factor):
-    """factor * x + (1 - factor) * other, clamped to [0, 1]: torchvision's _blend, a factor (B,)."""
     factor = factor.view(-1, 1, 1, 1)
     return (factor * x + (1 - factor) * other).clamp(0, 1)
-
-
-def adjust_brightness(x, factor):  # blends with black
-    return blend(x, 0.0, factor)
-
-
-def adjust_contrast(x, factor):  # blends with the image's mean grey
-    return blend(x, grayscale(x).mean(dim=(1, 2, 3), keepdim=True), factor)
-
-
-def adjust_saturation(x, factor):  # blends with the image's grey
-    return blend(x, grayscale(x), factor)
 
 
 def adjust_hue(x, shift):
@@ -418,8 +390,8 @@ def gaussian_blur(x, sigma, kernel_size):
 
 
 def normalize(x, mean, std):
-    """Images in [0, 1] (B, 3, H, W) -> standardised per channel by torchvision's normalize, which
-    takes batches; channels_last on CUDA, the layout the networks run in there."""
+    """Images in [0, 1] (B, 3, H, W) -> torchvision's normalize (batched); channels_last on CUDA,
+    the layout the networks run in there."""
     x = TF.normalize(x, mean, std)
     return x.contiguous(memory_format=torch.channels_last) if x.is_cuda else x
 
@@ -427,8 +399,8 @@ def normalize(x, mean, std):
 # --------------------------------------------------------------------------- data order and batches
 def epoch_generators(seed, epoch, device):
     """This epoch's generators from (seed, epoch), so a resumed run draws as an uninterrupted one:
-    data order and pairings on the CPU (CUDA's random kernels depend on the GPU model), and one
-    for augmentation on the device."""
+    data order and pairings on the CPU (CUDA's random kernels depend on the GPU model), views on
+    the device."""
     seed = 2 * (seed * 100003 + epoch)
     return torch.Generator().manual_seed(seed), torch.Generator(device).manual_seed(seed + 1)
 
@@ -453,14 +425,12 @@ def train_batches(data, batch_size, generator, ctx, workers=0):
 
 # --------------------------------------------------------------------------------------- evaluation
 def eval_size(size):
-    """The side that evaluation resizes to before its centre S x S crop: S / 0.875 above 64 px
-    (ImageNet's 256 for 224), S for small images (CIFAR-sized folders: the crop of today)."""
+    """The side resized to before the centre S x S crop: S / 0.875 above 64 px (256 for 224)."""
     return round(size / 0.875) if size > 64 else size
 
 
 def eval_view(images, size):
-    """uint8 (..., 3, H, W) -> the evaluation view (..., 3, S, S): the shorter side resized to
-    eval_size(S), antialiased, then the centre S x S (torchvision's Resize + CenterCrop)."""
+    """uint8 (..., 3, H, W) -> (..., 3, S, S): torchvision's Resize(eval_size(S)), CenterCrop(S)."""
     return TF.center_crop(TF.resize(images, [eval_size(size)], antialias=True), [size])
 
 
@@ -469,21 +439,20 @@ def extract_features(backbone, split, data, ctx, workers=0, unit=True):
     """Features (L2-normalised if `unit`) of un-augmented images, ranks sharing the work, gathered
     on every rank -> (N', F), (N',), N' = world * ceil(N / world), padding labelled -1. float16
     on CUDA (ImageNet: 1.28M x 2048 x 2 bytes = 5.2 GB on every rank), float32 on CPU."""
-    was_training, device = backbone.training, ctx.device
-    n = len(split[1]) if isinstance(split, tuple) else len(split)
+    was_training, device, held = backbone.training, ctx.device, isinstance(split, tuple)
+    n = len(split[1]) if held else len(split)
     share = -(-n // ctx.world)
     lo, hi = min(ctx.rank * share, n), min((ctx.rank + 1) * share, n)
-    batches = zip(*(t[lo:hi].split(256) for t in split)) if isinstance(split, tuple) else \
-        torch.utils.data.DataLoader(torch.utils.data.Subset(split, range(lo, hi)), 256,
-                                    num_workers=workers,  # workers seeded apart from
-                                    generator=torch.Generator())  # the global RNG
+    batches = zip(*(t[lo:hi].split(256) for t in split)) if held else torch.utils.data.DataLoader(
+        torch.utils.data.Subset(split, range(lo, hi)), 256, num_workers=workers,
+        generator=torch.Generator())  # workers seeded apart from the global RNG
     features = torch.zeros(share, backbone.out_dim, device=device,
                            dtype=torch.float16 if device.type == "cuda" else torch.float32)
     labels = torch.full((share,), -1, dtype=torch.long, device=device)
     backbone.eval()
     for i, (images, y) in enumerate(batches):  # batches of 256
         images = images.to(device)
-        if data.whole and isinstance(split, tuple):  # image files held whole: the view streamed
+        if data.whole and held:  # image files held whole: the view streamed
             images = eval_view(images, data.image_size)  # ones get from their workers
         with ctx.autocast():
             f = backbone(normalize(images.float() / 255, data.mean, data.std)).float()
@@ -494,14 +463,14 @@ def extract_features(backbone, split, data, ctx, workers=0, unit=True):
 
 
 @torch.no_grad()
-def knn_accuracy(train_f, train_y, test_f, test_y, num_classes, k=200, t=0.1, ctx=None):
+def knn_accuracy(train_f, train_y, test_f, test_y, num_classes, k=200, t=0.1):
     """Weighted kNN (InstDisc / MoCo monitor): the k most cosine-similar training features vote
     with weight exp(sim / t); rows labelled -1 take no part; ranks split the test set -> top-1 %."""
-    world, rank = (ctx.world, ctx.rank) if ctx else (1, 0)
-    k, unlabelled, share = min(k, int((train_y >= 0).sum())), train_y < 0, -(-len(test_y) // world)
-    correct = torch.zeros((), device=test_f.device)
-    for i in range(rank * share, min((rank + 1) * share, len(test_y)), 256):
-        stop = min(i + 256, (rank + 1) * share, len(test_y))
+    k, unlabelled = min(k, int((train_y >= 0).sum())), train_y < 0
+    share = -(-len(test_y) // world_size())  # each rank's rows of the test set
+    correct, lo, hi = torch.zeros((), device=test_f.device), rank() * share, (rank() + 1) * share
+    for i in range(lo, min(hi, len(test_y)), 256):
+        stop = min(i + 256, hi, len(test_y))
         sim = (test_f[i:stop] @ train_f.T).float().masked_fill_(unlabelled, -math.inf)  # (b, N)
         sim, idx = sim.topk(k, dim=1)  # (b, k)
         votes = torch.zeros(stop - i, num_classes, device=test_f.device)
@@ -543,9 +512,33 @@ LINEAR_PROTOCOLS = {
 
 def protocol_settings(protocol, epochs=None, lr=None, batch=None):
     """(epochs, lr per 256 images, batch) of a LINEAR_PROTOCOLS entry, each replaced where given."""
-    own = LINEAR_PROTOCOLS[protocol]
-    return tuple(own[k] if v is None else v for k, v in zip(("epochs", "lr", "batch"),
-                                                            (epochs, lr, batch)))
+    given, own = dict(epochs=epochs, lr=lr, batch=batch), LINEAR_PROTOCOLS[protocol]
+    return tuple(own[k] if v is None else v for k, v in given.items())
+
+
+def train_linear(classifier, optimizer, batches, epochs, lr=None, scheduler=None, world=1):
+    """The probes' loop: per epoch the lr set to lr(epoch) if given, then a cross-entropy step on
+    each (features, labels) of batches(epoch), stepping `scheduler`; gradient: the global mean."""
+    for epoch in range(epochs):
+        for group in optimizer.param_groups if lr else ():
+            group["lr"] = lr(epoch)
+        for features, y in batches(epoch):
+            loss = F.cross_entropy(classifier(features), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            for p in classifier.parameters() if world > 1 else ():
+                p.grad = all_reduce_sum(p.grad) / world
+            optimizer.step()
+            if scheduler:
+                scheduler.step()
+
+
+@torch.no_grad()
+def top1(classify, features, labels):
+    """Top-1 % of classify(features) over the labelled rows (-1: padding), 65536 rows at a time."""
+    correct = sum(int((classify(f).argmax(1) == y).sum())
+                  for f, y in zip(features.split(65536), labels.split(65536)))
+    return 100.0 * correct / int((labels >= 0).sum())
 
 
 def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed=0, batch=256,
@@ -553,42 +546,32 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed
     """The `fixed` protocol, this project's own: a linear classifier on frozen features
     standardised with the training set's mean and std, AdamW (lr per 256 images) + cosine -> test
     top-1 %. Every rank computes the same from the same features."""
-    rows, test_rows = (train_y >= 0).nonzero()[:, 0], (test_y >= 0).nonzero()[:, 0]
-    total = 0
+    rows, total = (train_y >= 0).nonzero()[:, 0], 0
     for r in rows.split(65536):  # in chunks: no float32 copy of a float16 bank
         f = train_f[r].float()
         total = total + torch.stack([f.sum(0), (f * f).sum(0)])
     mean = total[0] / len(rows)
     std = (total[1] / len(rows) - mean ** 2).clamp_min(0).sqrt() + 1e-6
-    classifier = nn.Linear(train_f.shape[1], num_classes).to(train_f.device)
-    # a convex problem: a zero start. Nothing from the global RNG, whose state depends on how
-    # many DataLoaders ran before: a resumed run's differs from an uninterrupted run's
-    nn.init.zeros_(classifier.weight), nn.init.zeros_(classifier.bias)
+    standardised = lambda f: (f.float() - mean) / std  # noqa: E731
+    # a convex problem: a zero start (std 0), drawn from nothing global (linear_classifier)
+    classifier = linear_classifier(train_f.shape[1], num_classes, train_f.device, seed, std=0.0)
     optimizer = torch.optim.AdamW(classifier.parameters(), lr=lr * batch / 256, weight_decay=5e-4)
-    steps = epochs * -(-len(rows) // batch)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * -(-len(rows) // batch))
     generator = torch.Generator(device=train_f.device).manual_seed(seed)
-    for _ in range(epochs):
+
+    def batches(epoch):
         perm = rows[torch.randperm(len(rows), generator=generator, device=rows.device)]
-        for r in perm.split(batch):
-            loss = F.cross_entropy(classifier((train_f[r].float() - mean) / std), train_y[r])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-    with torch.no_grad():
-        predict = lambda r: classifier((test_f[r].float() - mean) / std).argmax(1)  # noqa: E731
-        correct = sum(int((predict(r) == test_y[r]).sum()) for r in test_rows.split(65536))
-    return 100.0 * correct / len(test_rows)
+        return ((standardised(train_f[r]), train_y[r]) for r in perm.split(batch))
+    train_linear(classifier, optimizer, batches, epochs, scheduler=cosine)
+    return top1(lambda f: classifier(standardised(f)), test_f, test_y)
 
 
 def linear_probe_augmented(backbone, data, ctx, protocol="gsg-cifar", epochs=None, lr=None,
                            batch=None, seed=0, workers=0):
     """An authors' probe (LINEAR_PROTOCOLS; epochs, lr, batch: the protocol's unless given): a
-    linear layer on the frozen backbone (eval mode, no gradient) trained on RandomResizedCrop +
-    flip views of the labelled training split, momentum 0.9, no weight decay, the lr set per epoch;
-    weight N(0, 0.01), bias 0 -> test top-1 %. A streamed image folder is decoded and cropped in
-    DataLoader workers, as pre-training's views are."""
+    linear layer, weight N(0, 0.01), bias 0, on the frozen backbone (eval mode, no gradient) trained
+    on RandomResizedCrop + flip views of the labelled training split (a streamed folder's cropped
+    by DataLoader workers), momentum 0.9, no weight decay, the lr set per epoch -> test top-1 %."""
     own, (epochs, lr, batch) = LINEAR_PROTOCOLS[protocol], protocol_settings(protocol, epochs, lr,
                                                                                batch)
     if data.streaming:  # one random crop and flip per image, by the workers
@@ -607,31 +590,26 @@ def linear_probe_augmented(backbone, data, ctx, protocol="gsg-cifar", epochs=Non
         optimizer = torch.optim.SGD(classifier.parameters(), lr=peak, momentum=0.9)
     augment = Augment([Recipe(jitter=(0, 0, 0, 0), gray_p=0)], data.image_size, data.mean,
                       data.std, ctx)  # held images: crop + flip here; streamed: normalise only
-    was_training = backbone.training
-    backbone.eval()  # frozen: BatchNorm normalises with, and keeps, its running statistics
-    for epoch in range(epochs):
-        if own["schedule"] == "cosine":  # per epoch, as main_lincls.py's adjust_learning_rate
-            lr = peak * 0.5 * (1 + math.cos(math.pi * epoch / epochs))
-        else:  # MoCo: x0.1 at epochs 60 and 80 of 100 (here at 60% and 80% of the epochs)
-            lr = peak * 0.1 ** sum(epoch >= share * epochs for share in (0.6, 0.8))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+
+    def lr_at(epoch):  # per epoch, as main_lincls.py's adjust_learning_rate; MoCo's steps: x0.1
+        if own["schedule"] == "cosine":  # at epochs 60 and 80 of 100, here at 60% and 80% of them
+            return peak * 0.5 * (1 + math.cos(math.pi * epoch / epochs))
+        return peak * 0.1 ** sum(epoch >= share * epochs for share in (0.6, 0.8))
+
+    def batches(epoch):
         order, generator = epoch_generators(seed + 1, epoch, ctx.device)
         for x, y in train_batches(probe_set, batch, order, ctx, workers):
             views = augment(x, generator)[0]  # in float32, as in pre-training
             with torch.no_grad(), ctx.autocast():
                 features = backbone(views)
-            loss = F.cross_entropy(classifier(features.float()), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            for p in classifier.parameters():  # the mean gradient over the global batch
-                p.grad = all_reduce_sum(p.grad) / ctx.world
-            optimizer.step()
+            yield features.float(), y
+    was_training = backbone.training
+    backbone.eval()  # frozen: BatchNorm normalises with, and keeps, its running statistics
+    train_linear(classifier, optimizer, batches, epochs, lr=lr_at, world=ctx.world)
     backbone.train(was_training)
     test_f, test_y = extract_features(backbone, data.eval_test, data, ctx, workers, unit=False)
-    with torch.no_grad():  # features as in training: bf16 backbone, float32 classifier
-        correct = (classifier(test_f.float()).argmax(1) == test_y).sum()
-    return 100.0 * int(correct) / int((test_y >= 0).sum())
+    # features as in training: bf16 backbone, float32 classifier
+    return top1(lambda f: classifier(f.float()), test_f, test_y)
 
 
 class OnlineProbe:
@@ -671,11 +649,9 @@ class OnlineProbe:
 
     @torch.no_grad()
     def accuracy(self, backbone, data, ctx, workers=0):
-        """Top-1 % on the test split, un-augmented, the backbone in eval mode (solo-learn's
-        validation step)."""
+        """Top-1 % on the un-augmented test split, the backbone in eval mode (solo-learn's)."""
         test_f, test_y = extract_features(backbone, data.eval_test, data, ctx, workers, unit=False)
-        correct = (self.classifier(float32(test_f)).argmax(1) == test_y).sum()
-        return 100.0 * int(correct) / int((test_y >= 0).sum())
+        return top1(lambda f: self.classifier(float32(f)), test_f, test_y)
 
     def state_dict(self):  # for checkpoint.pt
         return {"classifier": self.classifier.state_dict(),
@@ -692,23 +668,23 @@ def evaluate(backbone, data, ctx, args, final=False, probe=None):
     train_f, train_y = extract_features(backbone, data.eval_train, data, ctx, args.workers)
     test_f, test_y = extract_features(backbone, data.eval_test, data, ctx, args.workers)
     knn = lambda k: knn_accuracy(train_f, train_y, test_f, test_y, data.num_classes, k,  # noqa
-                                 args.knn_t, ctx)
+                                 args.knn_t)
     result = {"knn_top1": knn(args.knn_k)}
     if probe is not None:
         result["online_top1"] = probe.accuracy(backbone, data, ctx, args.workers)
     if final:
         result.update(knn_k=args.knn_k, knn_k1_top1=knn(1), epochs=args.epochs)
-        epochs, lr, batch = protocol_settings(args.linear_protocol, args.linear_epochs,
-                                              args.linear_lr, args.linear_batch)
-        if epochs and args.linear_protocol == "fixed":
-            result["linear_top1"] = linear_probe(train_f, train_y, test_f, test_y,
-                                                 data.num_classes, epochs, args.seed, batch, lr)
+        protocol = args.linear_protocol
+        epochs, lr, batch = protocol_settings(protocol, args.linear_epochs, args.linear_lr,
+                                              args.linear_batch)
+        if epochs and protocol == "fixed":
+            linear = linear_probe(train_f, train_y, test_f, test_y, data.num_classes, epochs,
+                                  args.seed, batch, lr)
         elif epochs:
-            result["linear_top1"] = linear_probe_augmented(
-                backbone, data, ctx, args.linear_protocol, epochs, lr, batch, args.seed,
-                args.workers)
+            linear = linear_probe_augmented(backbone, data, ctx, protocol, epochs, lr, batch,
+                                            args.seed, args.workers)
         if epochs:
-            result["linear_protocol"] = args.linear_protocol
+            result.update(linear_top1=linear, linear_protocol=protocol)
     return result
 
 
