@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import common
 
@@ -129,3 +130,99 @@ def test_final_evaluation_reports_knn_with_knn_k_and_knn_t_and_with_k_1():
     assert result["knn_k1_top1"] == knn_by_hand(*case, k=1, t=0.02) == 0.0
     assert knn_by_hand(*case, k=3, t=0.1) == 100.0  # --knn-t matters in this case
     assert result["knn_k"] == 3 and "linear_top1" not in result  # --linear-epochs 0: no probe
+
+
+def test_extracted_features_are_the_eval_mode_backbones_rows_scaled_to_unit_norm():
+    """unit=True: F(x) / |F(x)| of the backbone in eval mode on the normalised images, every row
+    of norm 1; unit=False: F(x) itself; the backbone's train mode is given back."""
+    torch.manual_seed(0)
+    backbone = common.ResNet("resnet18", 8, 8)
+    backbone(torch.randn(16, 3, 8, 8))  # moves the BatchNorm running statistics off 0 and 1
+    images, labels = torch.randint(0, 256, (5, 3, 8, 8), dtype=torch.uint8), torch.arange(5)
+    data = common.Data(train=None, train_labels=labels, eval_train=(images, labels),
+                       eval_test=None, num_classes=5, image_size=8, mean=(0.5, 0.4, 0.3),
+                       std=(0.2, 0.25, 0.3))
+    mean, std = torch.tensor(data.mean).view(3, 1, 1), torch.tensor(data.std).view(3, 1, 1)
+    with torch.no_grad():
+        raw = backbone.eval()((images / 255 - mean) / std)  # (5, F)
+    backbone.train()
+    unit, y = common.extract_features(backbone, data.eval_train, data, CPU)
+    assert torch.equal(y, labels) and backbone.training
+    torch.testing.assert_close(unit.norm(dim=1), torch.ones(5))
+    torch.testing.assert_close(unit, raw / raw.norm(dim=1, keepdim=True))
+    torch.testing.assert_close(common.extract_features(backbone, data.eval_train, data, CPU,
+                                                       unit=False)[0], raw)
+    assert (raw.norm(dim=1) - 1).abs().min() > 0.1  # unit=True changes these rows
+
+
+def test_the_fixed_probe_standardises_the_test_features_with_the_training_statistics():
+    """One feature, 100 + 0.1 * (+-1 + U(-0.25, 0.25)), the sign of the +-1 the class. Trained on
+    standardised features the probe classifies standardised test features perfectly; on the raw
+    test features (offset 100, a scale 10 times too small) it would call all of them one class,
+    50 %."""
+    g = torch.Generator().manual_seed(0)
+
+    def features(n):
+        y = torch.arange(n) % 2  # (n,) balanced classes
+        jitter = 0.5 * torch.rand(n, 1, generator=g) - 0.25  # (n, 1)
+        return 100 + 0.1 * ((2 * y[:, None] - 1) + jitter), y
+    (train_f, train_y), (test_f, test_y) = features(200), features(100)
+    assert common.linear_probe(train_f, train_y, test_f, test_y, 2, epochs=5, batch=32) == 100.0
+
+
+def probe_step_by_hand(classifier, features, labels, lr):
+    """One SGD step with momentum 0.9 from a fresh buffer (= a plain gradient step) on the mean
+    cross-entropy over the labelled rows: dL/dlogits = (softmax - onehot) / n -> (weight, bias)."""
+    w, b = classifier.weight.detach(), classifier.bias.detach()
+    keep = labels >= 0
+    x, y = features[keep], labels[keep]
+    dlogits = (torch.softmax(x @ w.T + b, 1) - F.one_hot(y, len(b))) / len(y)  # (n, C)
+    return w - lr * dlogits.T @ x, b - lr * dlogits.sum(0)
+
+
+def test_online_probe_step_is_an_sgd_step_at_its_lr_times_the_given_scale(float64):
+    """Two training views' backbone features, labels repeated per view, one unlabelled image: the
+    classifier moves by 0.3 * lr_scale times the gradient of the mean cross-entropy over the
+    labelled views (a first momentum step is a plain gradient step)."""
+    torch.manual_seed(0)
+    backbone = common.ResNet("resnet18", 4, 8).train()
+    probe = common.OnlineProbe(backbone, 3, CPU, seed=0)
+    labels = torch.tensor([0, 2, -1, 1])
+    features = torch.cat([backbone(torch.randn(4, 3, 8, 8)).detach() for _ in range(2)])
+    expected = probe_step_by_hand(probe.classifier, features, labels.repeat(2), 0.3 * 0.25)
+    probe.step(labels, 0.25)
+    torch.testing.assert_close(probe.classifier.weight, expected[0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(probe.classifier.bias, expected[1], rtol=0, atol=1e-12)
+
+
+def test_only_training_passes_with_gradient_feed_the_online_probe(float64):
+    """A training-mode pass under no_grad (a target's, a diagnostic's) and an eval-mode pass
+    (evaluation's) feed the probe nothing: its step equals the hand step on the one training
+    pass with gradient."""
+    torch.manual_seed(0)
+    backbone = common.ResNet("resnet18", 4, 8).train()
+    probe = common.OnlineProbe(backbone, 3, CPU, seed=0)
+    labels = torch.tensor([0, 1, 2, 1])
+    with torch.no_grad():
+        backbone(torch.randn(4, 3, 8, 8))
+    backbone.eval()(torch.randn(4, 3, 8, 8))
+    features = backbone.train()(torch.randn(4, 3, 8, 8)).detach()
+    expected = probe_step_by_hand(probe.classifier, features, labels, 0.3)
+    probe.step(labels, 1.0)
+    torch.testing.assert_close(probe.classifier.weight, expected[0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(probe.classifier.bias, expected[1], rtol=0, atol=1e-12)
+
+
+def test_online_probe_accuracy_is_its_classifier_on_the_raw_features():
+    """The online probe trains on raw (un-normalised) features and is tested on them: logits
+    (x_0, 1.5) call feature rows (3, 0) and (2, 1) class 0, (1, 0) and (1, 1) class 1: 100 %;
+    their unit rows (x_0 <= 1) would all be called class 1, 50 %."""
+    test_f = torch.tensor([[3.0, 0.0], [2.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    test_y = torch.tensor([0, 0, 1, 1])
+    backbone, data = table_data(torch.zeros(0, 2), torch.zeros(0, dtype=torch.long), test_f,
+                                test_y, 2)
+    probe = common.OnlineProbe(backbone, 2, CPU, seed=0)
+    with torch.no_grad():
+        probe.classifier.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
+        probe.classifier.bias.copy_(torch.tensor([0.0, 1.5]))
+    assert probe.accuracy(backbone, data, CPU) == 100.0
