@@ -1,0 +1,228 @@
+"""Evaluation (common.py) on small hand-built cases, each against a plain loop or a hand-computed
+reference: the weighted kNN monitor and evaluate's two kNN numbers, the features, the fixed
+linear probe's standardisation and the online probe's step, hook and accuracy."""
+
+import math
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import common
+
+CPU = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
+
+
+def on_circle(*angles):
+    """Unit 2-d features at these angles (radians) -> (len(angles), 2)."""
+    a = torch.tensor(angles)
+    return torch.stack([a.cos(), a.sin()], 1)
+
+
+def knn_by_hand(train_f, train_y, test_f, test_y, k, t):
+    """Weighted kNN as a plain loop: the k most cosine-similar labelled training rows vote with
+    weight exp(sim / t); test rows labelled -1 are not counted -> top-1 %."""
+    bank = [(f, y) for f, y in zip(train_f.tolist(), train_y.tolist()) if y >= 0]
+    correct = counted = 0
+    for f, y in zip(test_f.tolist(), test_y.tolist()):
+        if y < 0:
+            continue
+        similar = sorted(((sum(a * b for a, b in zip(f, g)), label) for g, label in bank),
+                         reverse=True)[:k]
+        votes = {}
+        for sim, label in similar:
+            votes[label] = votes.get(label, 0.0) + math.exp(sim / t)
+        correct += max(votes, key=votes.get) == y
+        counted += 1
+    return 100.0 * correct / counted
+
+
+# One test image (class 1) at angle 0. Its nearest training image is of class 0 (0.10 rad), the
+# next two of class 1 (0.20, 0.25 rad); three far images of class 2. k=1 says class 0; k=3 at
+# t=0.1 says class 1 (e^9.95 < e^9.80 + e^9.69); k=3 at t=0.02 says class 0 again (the nearest
+# one's weight e^49.75 beats e^49.00 + e^48.46).
+NEAR_TRAIN_F = on_circle(0.10, 0.20, 0.25, 2.0, 2.1, 2.2)
+NEAR_TRAIN_Y = torch.tensor([0, 1, 1, 2, 2, 2])
+NEAR_TEST_F, NEAR_TEST_Y = on_circle(0.0), torch.tensor([1])
+
+
+def test_knn_votes_with_the_k_nearest_neighbours_not_the_nearest_alone():
+    """k=1: the single nearest (class 0) decides, 0 %; k=3, t=0.1: its two class-1 neighbours
+    outvote it, 100 %; each as the plain loop computes."""
+    case = (NEAR_TRAIN_F, NEAR_TRAIN_Y, NEAR_TEST_F, NEAR_TEST_Y)
+    for k, expected in ((1, 0.0), (3, 100.0)):
+        assert knn_by_hand(*case, k=k, t=0.1) == expected
+        assert common.knn_accuracy(*case, num_classes=3, k=k, t=0.1) == expected
+
+
+def test_knn_vote_weight_is_exp_of_similarity_over_temperature():
+    """exp(sim / t): at t=0.02 the nearest neighbour's weight outvotes the two next (0 %); at
+    t=0.1 and t=1 it does not (100 %). With exp(sim * t) t=0.02 would weigh all three alike."""
+    case = (NEAR_TRAIN_F, NEAR_TRAIN_Y, NEAR_TEST_F, NEAR_TEST_Y)
+    for t, expected in ((0.02, 0.0), (0.1, 100.0), (1.0, 100.0)):
+        assert knn_by_hand(*case, k=3, t=t) == expected
+        assert common.knn_accuracy(*case, num_classes=3, k=3, t=t) == expected
+
+
+def test_unlabelled_rows_neither_vote_nor_count():
+    """Training rows labelled -1 (unlabelled images, extract_features' padding) are the test
+    image's nearest, yet take no part in the vote, also when k exceeds the labelled rows; test
+    rows labelled -1 are not in the accuracy's denominator."""
+    train_f = torch.cat([on_circle(0.01, 0.02), NEAR_TRAIN_F])  # the two nearest are unlabelled
+    train_y = torch.cat([torch.tensor([-1, -1]), NEAR_TRAIN_Y])
+    test_f = torch.cat([NEAR_TEST_F, on_circle(2.05)])  # a padding row: class 2 but labelled -1
+    test_y = torch.cat([NEAR_TEST_Y, torch.tensor([-1])])
+    for k, expected in ((1, 0.0), (3, 100.0), (200, 100.0)):
+        assert knn_by_hand(train_f, train_y, test_f, test_y, k=k, t=0.1) == expected
+        assert common.knn_accuracy(train_f, train_y, test_f, test_y, 3, k=k, t=0.1) == expected
+
+
+class FeatureTable(nn.Module):
+    """A stand-in backbone: image i, whose first pixel holds i, -> row i of a hand-built table.
+    Evaluated with mean 0 and std 1 the pixel arrives as i / 255."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.register_buffer("table", table)
+        self.out_dim = table.shape[1]
+
+    def forward(self, x):
+        return self.table[(x[:, 0, 0, 0] * 255).round().long()]
+
+
+def indexed_images(first, n):
+    """uint8 (n, 3, 2, 2) images first .. first + n - 1, the index in every pixel."""
+    return torch.arange(first, first + n, dtype=torch.uint8).view(n, 1, 1, 1).expand(n, 3, 2, 2)
+
+
+def table_data(train_f, train_y, test_f, test_y, num_classes):
+    """A Data whose evaluation splits are images of FeatureTable(cat([train_f, test_f]))."""
+    n = len(train_y)
+    data = common.Data(train=None, train_labels=train_y, num_classes=num_classes, image_size=2,
+                       eval_train=(indexed_images(0, n), train_y),
+                       eval_test=(indexed_images(n, len(test_y)), test_y),
+                       mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+    return FeatureTable(torch.cat([train_f, test_f])), data
+
+
+def evaluation_args(**options):
+    defaults = dict(workers=0, knn_k=200, knn_t=0.1, linear_protocol="fixed", linear_epochs=0,
+                    linear_lr=None, linear_batch=None, seed=0)
+    return SimpleNamespace(**{**defaults, **options})
+
+
+def test_final_evaluation_reports_knn_with_knn_k_and_knn_t_and_with_k_1():
+    """evaluate(final=True): knn_top1 is the vote of --knn-k neighbours at --knn-t, knn_k1_top1
+    that of the single nearest, each as the plain loop computes on the features.
+
+    Two class-1 test images. P at 0 rad: class 0 at 0.10, class 1 at 0.20, 0.25 (k=3: t=0.02 says
+    0, t=0.1 says 1). Q at 1.2 rad: class 0 at +0.05, class 1 at +0.055, +0.06 (k=3 says 1 at
+    either t). k=1 says 0 for both: knn_top1 50 %, knn_k1_top1 0 % (100 % at the default t)."""
+    train_f = on_circle(0.10, 0.20, 0.25, 1.25, 1.255, 1.26, 2.5, 2.6, 2.7)
+    train_y = torch.tensor([0, 1, 1, 0, 1, 1, 2, 2, 2])
+    test_f, test_y = on_circle(0.0, 1.2), torch.tensor([1, 1])
+    backbone, data = table_data(train_f, train_y, test_f, test_y, 3)
+    result = common.evaluate(backbone, data, CPU, evaluation_args(knn_k=3, knn_t=0.02),
+                             final=True)
+    case = (train_f, train_y, test_f, test_y)
+    assert result["knn_top1"] == knn_by_hand(*case, k=3, t=0.02) == 50.0
+    assert result["knn_k1_top1"] == knn_by_hand(*case, k=1, t=0.02) == 0.0
+    assert knn_by_hand(*case, k=3, t=0.1) == 100.0  # --knn-t matters in this case
+    assert result["knn_k"] == 3 and "linear_top1" not in result  # --linear-epochs 0: no probe
+
+
+def test_extracted_features_are_the_eval_mode_backbones_rows_scaled_to_unit_norm():
+    """unit=True: F(x) / |F(x)| of the backbone in eval mode on the normalised images, every row
+    of norm 1; unit=False: F(x) itself; the backbone's train mode is given back."""
+    torch.manual_seed(0)
+    backbone = common.ResNet("resnet18", 8, 8)
+    backbone(torch.randn(16, 3, 8, 8))  # moves the BatchNorm running statistics off 0 and 1
+    images, labels = torch.randint(0, 256, (5, 3, 8, 8), dtype=torch.uint8), torch.arange(5)
+    data = common.Data(train=None, train_labels=labels, eval_train=(images, labels),
+                       eval_test=None, num_classes=5, image_size=8, mean=(0.5, 0.4, 0.3),
+                       std=(0.2, 0.25, 0.3))
+    mean, std = torch.tensor(data.mean).view(3, 1, 1), torch.tensor(data.std).view(3, 1, 1)
+    with torch.no_grad():
+        raw = backbone.eval()((images / 255 - mean) / std)  # (5, F)
+    backbone.train()
+    unit, y = common.extract_features(backbone, data.eval_train, data, CPU)
+    assert torch.equal(y, labels) and backbone.training
+    torch.testing.assert_close(unit.norm(dim=1), torch.ones(5))
+    torch.testing.assert_close(unit, raw / raw.norm(dim=1, keepdim=True))
+    torch.testing.assert_close(common.extract_features(backbone, data.eval_train, data, CPU,
+                                                       unit=False)[0], raw)
+    assert (raw.norm(dim=1) - 1).abs().min() > 0.1  # unit=True changes these rows
+
+
+def test_the_fixed_probe_standardises_the_test_features_with_the_training_statistics():
+    """One feature, 100 + 0.1 * (+-1 + U(-0.25, 0.25)), the sign of the +-1 the class. Trained on
+    standardised features the probe classifies standardised test features perfectly; on the raw
+    test features (offset 100, a scale 10 times too small) it would call all of them one class,
+    50 %."""
+    g = torch.Generator().manual_seed(0)
+
+    def features(n):
+        y = torch.arange(n) % 2  # (n,) balanced classes
+        jitter = 0.5 * torch.rand(n, 1, generator=g) - 0.25  # (n, 1)
+        return 100 + 0.1 * ((2 * y[:, None] - 1) + jitter), y
+    (train_f, train_y), (test_f, test_y) = features(200), features(100)
+    assert common.linear_probe(train_f, train_y, test_f, test_y, 2, epochs=5, batch=32) == 100.0
+
+
+def probe_step_by_hand(classifier, features, labels, lr):
+    """One SGD step with momentum 0.9 from a fresh buffer (= a plain gradient step) on the mean
+    cross-entropy over the labelled rows: dL/dlogits = (softmax - onehot) / n -> (weight, bias)."""
+    w, b = classifier.weight.detach(), classifier.bias.detach()
+    keep = labels >= 0
+    x, y = features[keep], labels[keep]
+    dlogits = (torch.softmax(x @ w.T + b, 1) - F.one_hot(y, len(b))) / len(y)  # (n, C)
+    return w - lr * dlogits.T @ x, b - lr * dlogits.sum(0)
+
+
+def test_online_probe_step_is_an_sgd_step_at_its_lr_times_the_given_scale(float64):
+    """Two training views' backbone features, labels repeated per view, one unlabelled image: the
+    classifier moves by 0.3 * lr_scale times the gradient of the mean cross-entropy over the
+    labelled views (a first momentum step is a plain gradient step)."""
+    torch.manual_seed(0)
+    backbone = common.ResNet("resnet18", 4, 8).train()
+    probe = common.OnlineProbe(backbone, 3, CPU, seed=0)
+    labels = torch.tensor([0, 2, -1, 1])
+    features = torch.cat([backbone(torch.randn(4, 3, 8, 8)).detach() for _ in range(2)])
+    expected = probe_step_by_hand(probe.classifier, features, labels.repeat(2), 0.3 * 0.25)
+    probe.step(labels, 0.25)
+    torch.testing.assert_close(probe.classifier.weight, expected[0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(probe.classifier.bias, expected[1], rtol=0, atol=1e-12)
+
+
+def test_only_training_passes_with_gradient_feed_the_online_probe(float64):
+    """A training-mode pass under no_grad (a target's, a diagnostic's) and an eval-mode pass
+    (evaluation's) feed the probe nothing: its step equals the hand step on the one training
+    pass with gradient."""
+    torch.manual_seed(0)
+    backbone = common.ResNet("resnet18", 4, 8).train()
+    probe = common.OnlineProbe(backbone, 3, CPU, seed=0)
+    labels = torch.tensor([0, 1, 2, 1])
+    with torch.no_grad():
+        backbone(torch.randn(4, 3, 8, 8))
+    backbone.eval()(torch.randn(4, 3, 8, 8))
+    features = backbone.train()(torch.randn(4, 3, 8, 8)).detach()
+    expected = probe_step_by_hand(probe.classifier, features, labels, 0.3)
+    probe.step(labels, 1.0)
+    torch.testing.assert_close(probe.classifier.weight, expected[0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(probe.classifier.bias, expected[1], rtol=0, atol=1e-12)
+
+
+def test_online_probe_accuracy_is_its_classifier_on_the_raw_features():
+    """The online probe trains on raw (un-normalised) features and is tested on them: logits
+    (x_0, 1.5) call feature rows (3, 0) and (2, 1) class 0, (1, 0) and (1, 1) class 1: 100 %;
+    their unit rows (x_0 <= 1) would all be called class 1, 50 %."""
+    test_f = torch.tensor([[3.0, 0.0], [2.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    test_y = torch.tensor([0, 0, 1, 1])
+    backbone, data = table_data(torch.zeros(0, 2), torch.zeros(0, dtype=torch.long), test_f,
+                                test_y, 2)
+    probe = common.OnlineProbe(backbone, 2, CPU, seed=0)
+    with torch.no_grad():
+        probe.classifier.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
+        probe.classifier.bias.copy_(torch.tensor([0.0, 1.5]))
+    assert probe.accuracy(backbone, data, CPU) == 100.0
