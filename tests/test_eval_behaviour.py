@@ -108,7 +108,7 @@ def table_data(train_f, train_y, test_f, test_y, num_classes):
 
 def evaluation_args(**options):
     defaults = dict(workers=0, knn_k=200, knn_t=0.1, linear_protocol="fixed", linear_epochs=0,
-                    linear_lr=None, linear_batch=None, seed=0)
+                    linear_lr=None, linear_batch=None, seed=0, epochs=1)
     return SimpleNamespace(**{**defaults, **options})
 
 
