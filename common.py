@@ -35,7 +35,6 @@ import socket
 import subprocess
 import sys
 import time
-import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -167,14 +166,6 @@ def distribute(model, ctx):
                else "broadcast_buffers": False}
     return ddp(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                **no_sync)
-
-
-def compile_model(net, ctx):
-    """torch.compile on one process only: compiling DDP with SyncBatchNorm has open upstream
-    failures, and no multi-GPU run of this project has passed with it yet."""
-    if ctx.world > 1:
-        warnings.warn("--compile is ignored with more than one process (DDP + SyncBatchNorm)")
-    return torch.compile(net) if ctx.world == 1 else net
 
 
 def to_device(t, device):
@@ -864,7 +855,8 @@ def add_common_args(parser):
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu",
       help="cuda, cuda:N or cpu (under torchrun, cuda means cuda:LOCAL_RANK)")
     a("--amp", action=argparse.BooleanOptionalAction, help="bf16 autocast (default: native bf16)")
-    a("--compile", action=argparse.BooleanOptionalAction, default=False, help="torch.compile")
+    a("--compile", action=argparse.BooleanOptionalAction, default=False,
+      help="torch.compile the model")
 
 
 # The options --resume may change; every other one comes from the run's recorded command line.

@@ -251,8 +251,7 @@ def main(argv=None):
         queues = nn.ModuleList(KeyQueue(args.queue_size, args.proj_dim, args.seed + i)
                                for i in range(2 if args.symmetric else 1)).to(ctx.device)
     net = common.distribute(model, ctx)  # global BatchNorm + DDP; `model` stays bare
-    if args.compile:
-        net = common.compile_model(net, ctx)
+    net = torch.compile(net) if args.compile else net
     peak_lr = args.lr * args.batch_size / 256
     optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, peak_lr)
     probe = common.OnlineProbe(model.backbone, data.num_classes, ctx, args.seed) \

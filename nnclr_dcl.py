@@ -229,8 +229,7 @@ def main(argv=None):
     model = NNCLR(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim,
                   args.pred_hidden)
     net = common.distribute(model.to(ctx.device), ctx)  # global BatchNorm + DDP; `model` stays bare
-    if args.compile:
-        net = common.compile_model(net, ctx)
+    net = torch.compile(net) if args.compile else net
     peak_lr = args.lr * args.batch_size / 256
     optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, peak_lr)
     support_set = SupportSet(args.support_size, args.proj_dim, args.seed).to(ctx.device)

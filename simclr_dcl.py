@@ -162,8 +162,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)  # the same initial model on every rank
     model = SimCLR(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim)
     net = common.distribute(model.to(ctx.device), ctx)  # global BatchNorm + DDP; `model` stays bare
-    if args.compile:
-        net = common.compile_model(net, ctx)
+    net = torch.compile(net) if args.compile else net
     peak_lr = args.lr * args.batch_size / 256
     optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, peak_lr)
     probe = common.OnlineProbe(model.backbone, data.num_classes, ctx, args.seed) \

@@ -242,8 +242,7 @@ def main(argv=None):
                        args.pred_hidden, not args.no_predictor, args.proj_layers).to(ctx.device)
     target = momentum_encoder(model.encoder, ctx) if args.method == "byol" else None  # BYOL only
     net = common.distribute(model, ctx)  # global BatchNorm + DDP; `model` stays bare
-    if args.compile:
-        net = common.compile_model(net, ctx)
+    net = torch.compile(net) if args.compile else net
     peak_lr = args.lr * args.batch_size / 256
     # --fix-pred-lr: the predictor's group keeps peak_lr (facebookresearch/simsiam main_simsiam.py)
     groups = [{"params": model.encoder.parameters(), "fix_lr": False},

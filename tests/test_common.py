@@ -639,12 +639,6 @@ def test_streaming_image_folder_and_augmented_linear_probe(tiny_folder, tmp_path
 # ------------------------------------------------------------------------------ GPU-facing choices
 
 
-def test_compile_is_skipped_with_a_warning_under_more_than_one_process():
-    net = nn.Linear(2, 2)
-    with pytest.warns(UserWarning, match="--compile is ignored"):
-        assert common.compile_model(net, ctx_for(0, 2)) is net
-
-
 def test_a_device_that_is_not_there_is_one_error_line(tmp_path, capsys):
     missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU (cuda:0 on a CPU)
     fails_with(["--device", missing, "--out", str(tmp_path / "o")], capsys, f"--device {missing}")
