@@ -169,3 +169,35 @@ def test_blur_sigma_is_uniform_over_its_range():
     reference = common.gaussian_blur(dots, grid, kernel)[:, 0, 16, 16]  # falls with sigma
     sigma = grid[(centre[:, None] - reference[None]).abs().argmin(1)]
     assert_uniform_over(sigma, 0.5, 2.0)
+
+
+RAMPS = torch.stack([torch.arange(32).view(1, 32).expand(32, 32) * 8,  # red: 8 x
+                     torch.arange(32).view(32, 1).expand(32, 32) * 8,  # green: 8 y
+                     torch.zeros(32, 32, dtype=torch.long)]).to(torch.uint8)
+
+
+def crop_widths_heights_flips(v):
+    """Each view of RAMPS (32 px out) -> the box's width and height in input pixels, and whether
+    it was mirrored: bilinear sampling keeps the ramps linear, so 16 output pixels apart (inside
+    the box) the red ramp moves by 8 * w / 2 and the green by 8 * h / 2, out of 255."""
+    v = v.flatten(0, 1) * 255
+    dx = v[:, 0, 16, 24] - v[:, 0, 16, 8]
+    dy = v[:, 1, 24, 16] - v[:, 1, 8, 16]
+    return dx.abs() / 4, dy.abs() / 4, dx < 0
+
+
+@pytest.mark.parametrize("flip_p", [0.0, 0.3])
+def test_crop_box_honours_scale_and_ratio_and_mirrors_with_flip_p(flip_p):
+    """Augment's crops of a 32 x 32 image with crop_scale (0.25, 0.5) and crop_ratio (1/2, 1)
+    have areas of 25-50% of the image and widths of 1/2 to 1 times their heights, reaching both
+    ends (w and h are whole pixels, so both move a little past the range); each image is
+    mirrored with probability flip_p."""
+    recipe = only(crop_scale=(0.25, 0.5), crop_ratio=(1 / 2, 1), flip_p=flip_p)
+    w, h, flipped = crop_widths_heights_flips(views(recipe, RAMPS))
+    assert torch.allclose(w, w.round(), atol=1e-3) and torch.allclose(h, h.round(), atol=1e-3)
+    area, ratio = w * h / 32 ** 2, w / h
+    assert area.min() > 0.25 * 0.85 and area.max() < 0.5 * 1.15
+    assert area.min() < 0.27 and area.max() > 0.47
+    assert ratio.min() > 1 / 2 * 0.9 and ratio.max() < 1 / 0.9
+    assert ratio.min() < 0.55 and ratio.max() > 0.9
+    assert_drawn_per_image_with_probability(flipped.view(BATCHES, BATCH), flip_p)
