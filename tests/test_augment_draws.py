@@ -201,3 +201,60 @@ def test_crop_box_honours_scale_and_ratio_and_mirrors_with_flip_p(flip_p):
     assert ratio.min() > 1 / 2 * 0.9 and ratio.max() < 1 / 0.9
     assert ratio.min() < 0.55 and ratio.max() > 0.9
     assert_drawn_per_image_with_probability(flipped.view(BATCHES, BATCH), flip_p)
+
+
+# ------------------------------------------------------------------------ draws epoch by epoch
+def held_data(n=64, size=8):
+    """A held train set whose label is the image's index, so a batch's labels are its order."""
+    images = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(0))
+    return common.Data(train=images, train_labels=torch.arange(n), eval_train=None,
+                       eval_test=None, num_classes=n, image_size=size, mean=(0.0,) * 3,
+                       std=(1.0,) * 3)
+
+
+def epoch_draws(seed, epoch):
+    """(seed, epoch) -> the epoch's order of the train set (its batches' labels) and its two
+    views of the same 16 images (the train set's first), so that views that differ come from
+    other draws, not other images."""
+    data = held_data()
+    order, generator = common.epoch_generators(seed, epoch, torch.device("cpu"))
+    labels = torch.cat([labels for _, labels in common.train_batches(data, 16, order, ONE_PROCESS)])
+    augment = Augment([Recipe(), Recipe(blur_p=0.5)], 8, data.mean, data.std, ONE_PROCESS)
+    return labels, augment(data.train[:16], generator)
+
+
+def test_each_epoch_draws_its_own_order_and_views_and_the_same_epoch_the_same_ones():
+    """A resumed epoch draws as the uninterrupted one did; another epoch, or another seed, draws
+    another order of the data and other crops and colours."""
+    order, augmented = epoch_draws(seed=0, epoch=3)
+    assert sorted(order.tolist()) == list(range(64))  # each image once
+    again_order, again_augmented = epoch_draws(seed=0, epoch=3)
+    assert torch.equal(order, again_order)
+    assert all(torch.equal(a, b) for a, b in zip(augmented, again_augmented))
+    for other in (dict(seed=0, epoch=4), dict(seed=1, epoch=3)):
+        other_order, other_augmented = epoch_draws(**other)
+        assert not torch.equal(order, other_order), other
+        assert all(not torch.equal(a, b) for a, b in zip(augmented, other_augmented)), other
+
+
+def test_no_two_generators_of_a_run_share_a_stream():
+    """Over 50 epochs the order and augmentation generators of every epoch start with draws of
+    their own (an epoch's augmentation must not replay another epoch's order draws)."""
+    firsts = []
+    for epoch in range(50):
+        for generator in common.epoch_generators(0, epoch, torch.device("cpu")):
+            firsts.append(tuple(torch.rand(4, generator=generator).tolist()))
+    assert len(set(firsts)) == len(firsts)
+
+
+# ------------------------------------------------------------------------------ the epoch log
+@pytest.mark.parametrize("loss", [float("nan"), float("inf"), float("-inf")])
+def test_a_loss_that_is_not_finite_stops_the_run(loss):
+    with pytest.raises(common.UserError, match=f"loss became {loss}"):
+        common.check_finite({"loss": loss, "epoch": 2})
+
+
+def test_a_finite_loss_goes_on():
+    common.check_finite({"loss": 1e30, "epoch": 1})
+    common.check_finite({"loss": -3.0, "epoch": 1})
