@@ -216,7 +216,7 @@ def _worker_decode_and_stream(data_dir, same_dir):
 
 
 def test_two_ranks_decode_the_set_together_and_stream_different_crops(tiny_folder, tmp_path):
-    """2 processes: each decodes half the folder, both end with the whole set as one process
+    """2 processes: each decodes the whole folder and ends with the whole set as one process
     decodes it; streaming from a folder of identical images, the ranks' crops differ (their
     DataLoader workers would otherwise draw the same crop parameters on every rank)."""
     same = tmp_path / "same"
