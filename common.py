@@ -1098,14 +1098,16 @@ def load_checkpoint(ctx, states):
             return 0  # an --epochs 0 run: the untrained network, evaluated again
         raise UserError(f"{ctx.out} has no checkpoint.pt (its first epoch never ended); start it "
                         f"again with --out {ctx.out}")
+    name = "the file"
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         for name, state in states.items():
             state is None or state.load_state_dict(checkpoint[name])
-        epoch = int(checkpoint["epoch"])
+        name, epoch = "epoch", int(checkpoint["epoch"])
     except Exception as error:  # truncated, another project's, another model's
-        raise UserError(f"{path} is unreadable or not this run's ({type(error).__name__}: "
-                        f"{' '.join(str(error).split())[:120]}); start a new --out") from None
+        raise UserError(f"{path}: {name} does not fit this run or is unreadable "
+                        f"({type(error).__name__}: {' '.join(str(error).split())[:120]}); start a "
+                        f"new --out") from None
     if ctx.rank == 0:  # the lines of epochs after the checkpoint's (or half a line) go
         metrics = os.path.join(ctx.out, "metrics.jsonl")
         with open(metrics, "rb") as f:
