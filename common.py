@@ -831,8 +831,7 @@ def add_common_args(parser):
     a("--warmup-epochs", type=non_negative_int, help="linear learning-rate warm-up epochs")
     a("--optimizer", choices=["sgd", "lars"], default="sgd", help="SGD momentum 0.9, or LARS "
       "(common.LARS: batch-norm and bias parameters without weight decay and trust ratio)")
-    a("--lars-eta", type=positive_float, default=0.001,
-      help="LARS trust coefficient eta (0.001: SimCLR's lars_optimizer.py)")
+    a("--lars-eta", type=positive_float, default=0.001, help="LARS trust coefficient (SimCLR's)")
     a("--lars-clip", action=argparse.BooleanOptionalAction, default=False,
       help="LARS: a tensor's lr never exceeds the scheduled lr (solo-learn's clip_lr)")
     a("--crop-scale", type=float, nargs=2, metavar=("MIN", "MAX"), help="random crop's area range")
@@ -842,8 +841,8 @@ def add_common_args(parser):
     a("--eval-every", type=positive_int, default=10, help="kNN monitor every N epochs (and last)")
     a("--knn-k", type=positive_int, default=200, help="neighbours of the kNN monitor")
     a("--knn-t", type=positive_float, default=0.1, help="temperature of the weighted kNN vote")
-    a("--online-probe", action=argparse.BooleanOptionalAction, default=False,
-      help="solo-learn's online linear classifier on the training views' detached features")
+    a("--online-probe", action=argparse.BooleanOptionalAction, default=False, help="the DT "
+      "authors' online linear classifier (solo-learn's) on the training views' features")
     a("--linear-protocol", choices=list(LINEAR_PROTOCOLS), default="fixed", help="the final "
       "probe on the frozen backbone: fixed = this project's, AdamW on fixed features; the "
       "authors' on crop+flip views: gsg-cifar (GSG Sec. 5.1), moco and simsiam-imagenet (their "
@@ -955,7 +954,8 @@ class EpochMeter:
     """The progress bar (loss, lr, images/s; the host waits only every `every` steps) and, from
     summary(), each scalar's mean over steps and ranks."""
 
-    def __init__(self, ctx, epoch, epochs, steps, images_per_step, every=20):
+    def __init__(self, ctx, epoch, epochs, steps, images_per_step):
+        every = min(20, max(1, steps // 20))  # a short epoch's bar moves each step
         self.ctx, self.epoch, self.every, self.images_per_step = ctx, epoch, every, images_per_step
         self.sums, self.steps, self.lr = {}, 0, 0.0
         self.bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{epochs}", disable=ctx.rank != 0,
@@ -975,9 +975,9 @@ class EpochMeter:
 
     def summary(self):
         self.bar.close()
+        means = {k: all_reduce_sum(s).item() / (self.steps * self.ctx.world)  # waits for the
+                 for k, s in self.sums.items()}  # device: the clock is read once it has finished
         seconds = time.perf_counter() - self.start
-        means = {k: all_reduce_sum(s).item() / (self.steps * self.ctx.world)
-                 for k, s in self.sums.items()}
         return {"epoch": self.epoch + 1, **means, "lr": self.lr,
                 "images_per_s": self.steps * self.images_per_step / seconds, "seconds": seconds}
 
@@ -1130,11 +1130,8 @@ def finish(ctx, backbone, results):
         save_atomic({k: v.cpu() for k, v in backbone.state_dict().items()}, weights)
     write_atomic(path, lambda f: f.write(json.dumps(results, indent=2).encode()))
     LOCKS.pop(os.path.realpath(ctx.out)).close()  # closing the file drops its flock
-    line = (f"final kNN top-1 (k={results['knn_k']}): {results['knn_top1']:.2f}%  "
-            f"kNN top-1 (k=1): {results['knn_k1_top1']:.2f}%")
-    if "linear_top1" in results:
-        line += f"  linear probe top-1: {results['linear_top1']:.2f}%"
-    ctx.print(f"{line}\nwritten to {path}")
+    ctx.print("final: " + "  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                    for k, v in results.items()) + f"\nwritten to {path}")
 
 
 # -------------------------------------------------------------------------- data loading and checks

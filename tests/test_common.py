@@ -643,3 +643,16 @@ def test_a_device_that_is_not_there_is_one_error_line(tmp_path, capsys):
     missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU (cuda:0 on a CPU)
     fails_with(["--device", missing, "--out", str(tmp_path / "o")], capsys, f"--device {missing}")
     assert not (tmp_path / "o").exists()
+
+
+def test_the_progress_bar_moves_every_step_of_a_short_epoch():
+    """An epoch of 6 steps shows each step as it ends (it sat at 0/6 until the epoch's end); a
+    long one refreshes every 20 steps (each refresh waits for the device)."""
+    for steps, every in ((6, 1), (400, 20)):
+        meter = common.EpochMeter(ctx_for(0, 1), 0, 1, steps, 8)
+        seen = []
+        for _ in range(every):
+            meter.update(0.1, loss=torch.tensor(1.0))
+            seen.append(meter.bar.n)
+        meter.summary()
+        assert seen == [0] * (every - 1) + [every], (steps, seen)
