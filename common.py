@@ -704,20 +704,25 @@ class LARS(torch.optim.Optimizer):
                                       eta=eta, clip=clip, adapt=True))
 
     @torch.no_grad()
-    def step(self):
+    def step(self):  # each group's tensors at once (torch._foreach_*), nothing read on the host
         for group in self.param_groups:
-            for w in (w for w in group["params"] if w.grad is not None):
-                g = w.grad.add(w, alpha=group["weight_decay"])
-                r = torch.ones((), device=w.device)
-                if group["adapt"]:  # tensors, not Python floats: no wait for the device
-                    w_norm, g_norm = torch.linalg.vector_norm(w), torch.linalg.vector_norm(g)
-                    trust = group["eta"] * w_norm / g_norm
-                    if group["clip"]:
-                        trust = (trust / group["lr"]).clamp(max=1)
-                    r = torch.where((w_norm > 0) & (g_norm > 0), trust, r)
-                buf = self.state[w].setdefault("momentum_buffer", torch.zeros_like(w))
-                buf.mul_(group["momentum"]).add_(r * g)
-                w.add_(buf, alpha=-group["lr"])
+            params = [w for w in group["params"] if w.grad is not None]
+            for w in params:  # made once, at the first step
+                if "momentum_buffer" not in self.state[w]:
+                    self.state[w]["momentum_buffer"] = torch.zeros_like(w)
+            if not params:
+                continue
+            g = torch._foreach_add([w.grad for w in params], params, alpha=group["weight_decay"])
+            if group["adapt"]:
+                w_norm, g_norm = (torch.stack(torch._foreach_norm(t)) for t in (params, g))
+                trust = group["eta"] * w_norm / g_norm
+                if group["clip"]:
+                    trust = (trust / group["lr"]).clamp(max=1)
+                torch._foreach_mul_(g, torch.where((w_norm > 0) & (g_norm > 0), trust, 1).unbind())
+            buffers = [self.state[w]["momentum_buffer"] for w in params]
+            torch._foreach_mul_(buffers, group["momentum"])
+            torch._foreach_add_(buffers, g)
+            torch._foreach_add_(params, buffers, alpha=-group["lr"])
 
 
 def optimizer_groups(groups, lars):
