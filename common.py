@@ -2,7 +2,7 @@
 
 Part 1, what the methods build on (read it next to a method file):
   processes and gathers         Context, gather_with_grad (an all-gather whose backward hands each
-                                rank its rows' gradient), gather, all_reduce_sum, GatherBatchNorm,
+                                rank its rows' gradient), gather, all_reduce_sum, GlobalBatchNorm,
                                 sync_batchnorm, distribute, float32
   ResNet                        torchvision's blocks and names at any width; CIFAR stem <= 64 px
   augmentation                  Recipe, Augment (per-sample parameters, batched on the device),
@@ -120,10 +120,11 @@ def all_reduce_sum(x):
     return x
 
 
-class GatherBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm over every rank's batch for CPU (gloo) runs, where torch's SyncBatchNorm does not
-    run: the ranks' inputs are gathered with gradient and normalised as one batch, of which each
-    rank keeps its own rows. Every rank repeats the whole batch's work: CPU runs are small."""
+class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm over every rank's batch, one code path on every device: each rank's per-channel
+    mean and variance (not its activations) go through the autograd-aware gather, the global ones
+    follow (the ranks hold equal rows), and each rank normalises its own rows. Nothing waits on the
+    host (torch's SyncBatchNorm drops empty ranks with boolean masks: three syncs a layer)."""
 
     def _check_input_dim(self, x):  # (B, C) and (B, C, H, W) alike
         pass
@@ -131,19 +132,25 @@ class GatherBatchNorm(nn.modules.batchnorm._BatchNorm):
     def forward(self, x):
         if not self.training:
             return super().forward(x)
-        mine = slice(rank() * len(x), (rank() + 1) * len(x))
-        return super().forward(gather_with_grad(x))[mine]
+        x, shape = float32(x), [1, -1] + [1] * (x.dim() - 2)  # statistics in float32 at least
+        var, mean = torch.var_mean(x, [d for d in range(x.dim()) if d != 1], correction=0)
+        means, variances = gather_with_grad(torch.stack([mean, var])[None]).unbind(1)  # (world, C)
+        mean = means.mean(0)
+        var = (variances + (means - mean) ** 2).mean(0)  # the law of total variance
+        n = x.numel() // x.shape[1] * len(means)  # the global batch's values per channel
+        with torch.no_grad():
+            self.running_mean.lerp_(mean, self.momentum)
+            self.running_var.lerp_(var * n / (n - 1), self.momentum)  # unbiased, as torch's
+            self.num_batches_tracked.add_(1)
+        x = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        return x * self.weight.view(shape) + self.bias.view(shape) if self.affine else x
 
 
 def sync_batchnorm(module, ctx):
-    """Every BatchNorm of `module`, in place, over the global batch (SyncBatchNorm on CUDA)."""
-    if ctx.world == 1:
-        return module
-    if ctx.device.type == "cuda":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    for name, child in module.named_children():
+    """Every BatchNorm of `module`, in place, a GlobalBatchNorm (with more than one process)."""
+    for name, child in module.named_children() if ctx.world > 1 else ():
         if isinstance(child, nn.modules.batchnorm._BatchNorm):
-            synced = GatherBatchNorm(child.num_features, child.eps, child.momentum, child.affine)
+            synced = GlobalBatchNorm(child.num_features, child.eps, child.momentum, child.affine)
             synced.load_state_dict(child.state_dict())
             setattr(module, name, synced.to(child.running_mean))
         else:
@@ -428,8 +435,7 @@ def eval_view(images, size):
 @torch.no_grad()
 def extract_features(backbone, split, data, ctx, workers=0, unit=True):
     """Features (L2-normalised if `unit`) of un-augmented images, ranks sharing the work, gathered
-    on every rank -> (N', F), (N',), N' = world * ceil(N / world), padding labelled -1. float16
-    on CUDA (ImageNet: 1.28M x 2048 x 2 bytes = 5.2 GB on every rank), float32 on CPU."""
+    on every rank -> float32 (N', F), (N',), N' = world * ceil(N / world), padding labelled -1."""
     was_training, device, held = backbone.training, ctx.device, isinstance(split, tuple)
     n = len(split[1]) if held else len(split)
     share = -(-n // ctx.world)
@@ -437,8 +443,7 @@ def extract_features(backbone, split, data, ctx, workers=0, unit=True):
     batches = zip(*(t[lo:hi].split(256) for t in split)) if held else torch.utils.data.DataLoader(
         torch.utils.data.Subset(split, range(lo, hi)), 256, num_workers=workers,
         generator=torch.Generator())  # workers seeded apart from the global RNG
-    features = torch.zeros(share, backbone.out_dim, device=device,
-                           dtype=torch.float16 if device.type == "cuda" else torch.float32)
+    features = torch.zeros(share, backbone.out_dim, device=device)
     labels = torch.full((share,), -1, dtype=torch.long, device=device)
     backbone.eval()
     for i, (images, y) in enumerate(batches):  # batches of 256
@@ -471,18 +476,14 @@ def knn_accuracy(train_f, train_y, test_f, test_y, num_classes, k=200, t=0.1):
 
 
 def linear_classifier(dim, classes, device, seed, std=None):
-    """nn.Linear(dim, classes) drawn from its own generator, never from torch's global RNG (a draw
-    there would shift every later one of the run): weight N(0, std) and bias 0 (std 0.01: MoCo's
-    and SimSiam's main_lincls.py), or without `std` torch's default U(+-1/sqrt(dim)) for both."""
-    with torch.device("meta"):  # built without its initial draw
+    """nn.Linear(dim, classes): weight N(0, std) and bias 0 (std 0.01: MoCo's and SimSiam's
+    main_lincls.py), or without `std` torch's default init; drawn from `seed` in a forked RNG, so
+    the run's global RNG is left as it was (a draw there would shift every later one)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
         layer = nn.Linear(dim, classes)
-    layer, generator = layer.to_empty(device="cpu"), torch.Generator().manual_seed(seed)
-    if std is None:
-        nn.init.uniform_(layer.weight, -dim ** -0.5, dim ** -0.5, generator=generator)
-        nn.init.uniform_(layer.bias, -dim ** -0.5, dim ** -0.5, generator=generator)
-    else:
-        nn.init.normal_(layer.weight, 0.0, std, generator=generator)
-        nn.init.zeros_(layer.bias)
+        if std is not None:
+            nn.init.normal_(layer.weight, 0.0, std), nn.init.zeros_(layer.bias)
     return layer.to(device)
 
 
@@ -537,13 +538,9 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed
     """The `fixed` protocol, this project's own: a linear classifier on frozen features
     standardised with the training set's mean and std, AdamW (lr per 256 images) + cosine -> test
     top-1 %. Every rank computes the same from the same features."""
-    rows, total = (train_y >= 0).nonzero()[:, 0], 0
-    for r in rows.split(65536):  # in chunks: no float32 copy of a float16 bank
-        f = train_f[r].float()
-        total = total + torch.stack([f.sum(0), (f * f).sum(0)])
-    mean = total[0] / len(rows)
-    std = (total[1] / len(rows) - mean ** 2).clamp_min(0).sqrt() + 1e-6
-    standardised = lambda f: (f.float() - mean) / std  # noqa: E731
+    rows = (train_y >= 0).nonzero()[:, 0]
+    std, mean = torch.std_mean(train_f[rows], 0, correction=0)
+    standardised = lambda f: (f - mean) / (std + 1e-6)  # noqa: E731
     # a convex problem: a zero start (std 0), drawn from nothing global (linear_classifier)
     classifier = linear_classifier(train_f.shape[1], num_classes, train_f.device, seed, std=0.0)
     optimizer = torch.optim.AdamW(classifier.parameters(), lr=lr * batch / 256, weight_decay=5e-4)
@@ -707,20 +704,25 @@ class LARS(torch.optim.Optimizer):
                                       eta=eta, clip=clip, adapt=True))
 
     @torch.no_grad()
-    def step(self):
+    def step(self):  # each group's tensors at once (torch._foreach_*), nothing read on the host
         for group in self.param_groups:
-            for w in (w for w in group["params"] if w.grad is not None):
-                g = w.grad.add(w, alpha=group["weight_decay"])
-                r = torch.ones((), device=w.device)
-                if group["adapt"]:  # tensors, not Python floats: no wait for the device
-                    w_norm, g_norm = torch.linalg.vector_norm(w), torch.linalg.vector_norm(g)
-                    trust = group["eta"] * w_norm / g_norm
-                    if group["clip"]:
-                        trust = (trust / group["lr"]).clamp(max=1)
-                    r = torch.where((w_norm > 0) & (g_norm > 0), trust, r)
-                buf = self.state[w].setdefault("momentum_buffer", torch.zeros_like(w))
-                buf.mul_(group["momentum"]).add_(r * g)
-                w.add_(buf, alpha=-group["lr"])
+            params = [w for w in group["params"] if w.grad is not None]
+            for w in params:  # made once, at the first step
+                if "momentum_buffer" not in self.state[w]:
+                    self.state[w]["momentum_buffer"] = torch.zeros_like(w)
+            if not params:
+                continue
+            g = torch._foreach_add([w.grad for w in params], params, alpha=group["weight_decay"])
+            if group["adapt"]:
+                w_norm, g_norm = (torch.stack(torch._foreach_norm(t)) for t in (params, g))
+                trust = group["eta"] * w_norm / g_norm
+                if group["clip"]:
+                    trust = (trust / group["lr"]).clamp(max=1)
+                torch._foreach_mul_(g, torch.where((w_norm > 0) & (g_norm > 0), trust, 1).unbind())
+            buffers = [self.state[w]["momentum_buffer"] for w in params]
+            torch._foreach_mul_(buffers, group["momentum"])
+            torch._foreach_add_(buffers, g)
+            torch._foreach_add_(params, buffers, alpha=-group["lr"])
 
 
 def optimizer_groups(groups, lars):

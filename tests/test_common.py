@@ -296,15 +296,15 @@ def _worker_batchnorm():
     return _batchnorm_case(2, common.rank())
 
 
-def test_gather_batchnorm_on_two_cpu_processes_equals_batchnorm_on_one(tmp_path):
-    """torch's SyncBatchNorm is CUDA-only; on gloo common.GatherBatchNorm normalises over both
-    ranks: outputs, input gradients, running statistics equal one BatchNorm on the whole batch,
-    and the weight gradient summed over ranks equals the single one."""
+def test_global_batchnorm_on_two_cpu_processes_equals_batchnorm_on_one(tmp_path):
+    """common.GlobalBatchNorm (the one BatchNorm of every device) normalises over both ranks:
+    outputs, input gradients, running statistics equal one BatchNorm on the whole batch, and the
+    weight gradient summed over ranks equals the single one."""
     ranks = run_distributed("test_common", "_worker_batchnorm", tmp_path)
     single = _batchnorm_case(1, 0)
     assert isinstance(
         common.sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3)), ctx_for(0, 2))[0],
-        common.GatherBatchNorm,
+        common.GlobalBatchNorm,
     )
     assert torch.allclose(torch.cat([r["out"] for r in ranks]), single["out"], atol=1e-12)
     assert torch.allclose(torch.cat([r["grad_x"] for r in ranks]), single["grad_x"], atol=1e-10)

@@ -33,7 +33,7 @@ def parts():
 
 def test_part_one_holds_what_the_methods_build_on_and_comes_first():
     first, second, _, _ = parts()
-    for name in ("gather_with_grad", "GatherBatchNorm", "ResNet", "Augment", "colour_jitter",
+    for name in ("gather_with_grad", "GlobalBatchNorm", "ResNet", "Augment", "colour_jitter",
                  "train_batches", "knn_accuracy", "linear_probe", "OnlineProbe", "LARS",
                  "learning_rate"):
         assert name in first, name

@@ -18,7 +18,7 @@ from helpers import ROOT
 SCRIPTS = ("simclr_dcl", "moco_simmoco_simco", "simsiam_byol_gsg", "nnclr_dcl")
 # the paper identities and changes the table must map to code (issue 24), by words of their row
 IDEAS = ("DCL Prop. 2", "DCLW weight", "DT Eq. 4", "DT Eq. 9", "GSG Eq. 6", "NNCLR's support set",
-         "the gather's backward", "GatherBatchNorm", "online linear probe", "LARS",
+         "the gather's backward", "GlobalBatchNorm", "online linear probe", "LARS",
          "colour jitter in a random order")
 
 
