@@ -884,13 +884,13 @@ def parse_args(parser, argv, script):
     try:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
+        if config["script"] != script:
+            raise UserError(f"--resume {run}: that run was made by {config['script']}.py, not "
+                            f"{script}.py; start a new --out")
         recorded, saved = list(map(str, config["argv"])), dict(config["args"])
     except (OSError, ValueError, TypeError, KeyError):  # ValueError: not JSON, or not UTF-8
         raise UserError(f"--resume {run}: no readable config.json with its command line there; "
                         f"give a run folder of this project") from None
-    if config.get("script") != script:
-        raise UserError(f"--resume {run}: that run was made by {config.get('script')}.py, not "
-                        f"{script}.py; start a new --out")
     if args.out is not None and os.path.normpath(args.out) != os.path.normpath(run):
         raise UserError(f"--resume {run} writes into {run}; drop --out {args.out}")
     then, args = vars(parse(parser, recorded, path)), parse(parser, recorded + argv, path)
@@ -1131,7 +1131,8 @@ def finish(ctx, backbone, results):
     if not os.path.exists(weights):
         save_atomic({k: v.cpu() for k, v in backbone.state_dict().items()}, weights)
     write_atomic(path, lambda f: f.write(json.dumps(results, indent=2).encode()))
-    LOCKS.pop(os.path.realpath(ctx.out)).close()  # closing the file drops its flock
+    lock = LOCKS.pop(os.path.realpath(ctx.out), None)  # closing the file drops its flock
+    lock and lock.close()
     ctx.print("final: " + "  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                     for k, v in results.items()) + f"\nwritten to {path}")
 

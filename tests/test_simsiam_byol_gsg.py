@@ -430,4 +430,4 @@ def test_smoke_guided_run_as_python_and_torchrun(tiny_folder, tmp_path, method, 
     done = run_script("simsiam_byol_gsg.py", args, nproc=nproc)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     check_run_folder(out, method)
-    assert "kNN top-1 (k=1)" in done.stdout + done.stderr
+    assert " knn_k1_top1 " in done.stdout + done.stderr
