@@ -3,8 +3,9 @@ and the options that make the row), the settings and the protocol its numbers we
 and the published numbers with their sources. compare.py runs the rows; this file says what they
 are, reads our numbers from the run folders and prints the table beside the published ones.
 
-A published number is quoted, never ours; it is shown beside our number only when the rows ran
-at the paper's full scale with the paper's protocol (else the table says "not comparable").
+A published number is quoted, never ours; it is always shown beside our number, and their
+difference only when the rows ran at the paper's full scale with the paper's protocol (else the
+table says "not comparable").
 """
 import json
 import os
@@ -284,12 +285,12 @@ def table(paper_name, lines, changes, seeds):
             what += f" [ours: {METRICS[line['ours_metric']]}, stand-in]"
         if line["published"] is None:
             published = "none published"
-        elif not line["comparable"]:
-            published = "not comparable"
-        else:
+        else:  # shown even where it is not comparable: then the difference is not computed
             published = f"{line['published']:.2f}" + (
                 f" ± {line['published_spread']:.2f}" if line["published_spread"] else "")
         diff = "" if line["diff"] is None else f"{line['diff']:+.2f}"
+        if line["published"] is not None and not line["comparable"]:
+            diff = "not comparable"
         cells = [line["row"], f"`{line['settings']}`", what, ours, published,
                  line["source"] or "", diff, duration(line["wall_s"])]
         if failed:

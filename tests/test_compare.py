@@ -209,3 +209,20 @@ def test_gpus_give_each_job_its_own_cuda_visible_devices(tmp_path, monkeypatch, 
                   ["--gpus", "0", "--jobs", "2"], ["--paper", "dt", "--batch-size", "64"]):
         with pytest.raises(SystemExit):
             compare.parse_args(wrong)
+
+
+def test_reduced_scale_shows_the_published_number_beside_ours_without_a_difference(tmp_path,
+                                                                                    monkeypatch):
+    """--epochs 1 changes GSG's settings: every line is "not comparable" and has no difference,
+    yet each still shows the published number (and its spread and source) beside ours."""
+    monkeypatch.setattr(compare.subprocess, "Popen", FakeRun())
+    out = str(tmp_path / "gsg")
+    compare.main(["--paper", "gsg", "--out", out, "--epochs", "1", "--device", "cuda"])
+    saved, text = check_published(out, "gsg")
+    assert saved["changes"] == ["--epochs 1"] and not saved["comparable"]
+    assert all(not line["comparable"] and line["diff"] is None for line in saved["rows"])
+    for row, (knn, linear) in GSG.items():
+        for value in (knn, linear):
+            assert any(line.startswith(f"| {row} |") and f"| 80.00 ± 0.00 (n=3) | {value:.2f} ± "
+                       in line and "| GSG Table 1 | not comparable |" in line
+                       for line in text.splitlines()), (row, value)
