@@ -31,7 +31,7 @@ are then marked "not comparable":
 
 `--gpus 0,1,...` gives each job its own GPU(s) (CUDA_VISIBLE_DEVICES; --nproc of them per job),
 `--jobs-per-gpu K` packs K small jobs on each. From each job's first epoch it prints an estimate
-of the whole table's time.
+of the whole table's time. The exit status is 1 if a run failed.
 """
 import argparse
 import concurrent.futures
@@ -409,7 +409,7 @@ def main(argv=None):
     if args.list:
         for job in todo:
             print(f"{job['name']}: {shlex.join(job['command'])}")
-        return
+        return 0
     os.makedirs(args.out, exist_ok=True)
     slots = queue.Queue()
     for slot in args.slots:
@@ -436,7 +436,10 @@ def main(argv=None):
         json.dump(rows, f, indent=2)
     print(text)
     print(f"written: {os.path.join(args.out, 'table.md')} and rows.json")
+    failed = [job["name"] for job in todo
+              if not os.path.isfile(os.path.join(job["folder"], "results.json"))]
+    return 1 if failed else 0  # the exit status: a run failed (the table shows its error)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -168,7 +168,8 @@ def test_gpus_give_each_job_its_own_cuda_visible_devices(tmp_path, monkeypatch, 
     fake = FakeRun(fail="simclr-dclw-b64")
     monkeypatch.setattr(compare.subprocess, "Popen", fake)
     out = str(tmp_path / "dcl")
-    compare.main(["--paper", "dcl", "--out", out, "--gpus", "0,1", "--jobs-per-gpu", "2"])
+    dcl = ["--paper", "dcl", "--out", out, "--gpus", "0,1", "--jobs-per-gpu", "2"]
+    assert compare.main(dcl) == 1  # a run failed
     assert len(fake.jobs) == 15 and {job["gpu"] for job in fake.jobs} == {"0", "1"}
     assert fake.most == {"0": 2, "1": 2}
     assert all(job["cmd"][job["cmd"].index("--device") + 1] == "cuda" for job in fake.jobs)
@@ -182,13 +183,14 @@ def test_gpus_give_each_job_its_own_cuda_visible_devices(tmp_path, monkeypatch, 
     assert "| 84.40 | lightly | -3.40 |" in text and "error: --data-dir ./data" in text
     assert best["simclr-dclw-b64"]["error"].startswith("error: --data-dir")
     fake.jobs.clear()
-    compare.main(["--paper", "dcl", "--out", out, "--gpus", "0,1", "--jobs-per-gpu", "2"])
+    assert compare.main(dcl) == 1
     assert [job["out"] for job in fake.jobs] == [os.path.join(out, "simclr-dclw-b64", "seed0")]
 
     fake = FakeRun()
     monkeypatch.setattr(compare.subprocess, "Popen", fake)
     out = str(tmp_path / "gsg")
-    compare.main(["--paper", "gsg", "--out", out, "--nproc", "2", "--gpus", "0,1,2,3"])
+    assert compare.main(["--paper", "gsg", "--out", out, "--nproc", "2", "--gpus",
+                         "0,1,2,3"]) == 0
     assert len(fake.jobs) == 12 and {job["gpu"] for job in fake.jobs} == {"0,1", "2,3"}
     assert all("--nproc_per_node=2" in job["cmd"] for job in fake.jobs)
     saved, text = check_published(out, "gsg")
@@ -226,3 +228,17 @@ def test_reduced_scale_shows_the_published_number_beside_ours_without_a_differen
             assert any(line.startswith(f"| {row} |") and f"| 80.00 ± 0.00 (n=3) | {value:.2f} ± "
                        in line and "| GSG Table 1 | not comparable |" in line
                        for line in text.splitlines()), (row, value)
+
+
+def test_exit_status_is_nonzero_when_a_run_failed(tmp_path):
+    """compare.py as a user runs it: its one run fails (no data where --data-dir points), so the
+    process exits non-zero, and the table names the run's error."""
+    out = tmp_path / "dcl"
+    process = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "compare.py"), "--paper", "dcl",
+         "--variants", "simclr-dcl-b128", "--out", str(out), "--dataset", "imagefolder",
+         "--data-dir", str(tmp_path / "missing"), "--device", "cpu"],
+        capture_output=True, text=True)
+    assert process.returncode != 0, process.stdout + process.stderr
+    assert "error" in [line for line in (out / "table.md").read_text().splitlines()
+                       if line.startswith("| simclr-dcl-b128 |")][0]
