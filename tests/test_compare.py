@@ -92,7 +92,7 @@ def test_paper_tables_at_the_smallest_scale(tmp_path):
             assert not line["comparable"] and line["diff"] is None
             if line["row"] in ran:
                 assert line["ours"] is not None and 0 <= line["ours"] <= 100, line
-                assert line["error"] is None and line["wall_s"] > 0
+                assert line["error"] is None
             else:
                 assert line["ours"] is None and not line["ran"]
         table = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
@@ -146,19 +146,16 @@ class FakeRun:
 
 class FakeProcess:
     def __init__(self, fake, gpu, returncode):
-        self.fake, self.gpu, self.returncode, self.waited = fake, gpu, returncode, False
+        self.fake, self.gpu, self.returncode = fake, gpu, returncode
 
-    def wait(self, timeout=None):
-        if not self.waited:  # the runner looks at the first epoch while the job runs
-            self.waited = True
-            time.sleep(0.05)
-            raise subprocess.TimeoutExpired("fake", timeout)
+    def wait(self):
+        time.sleep(0.05)  # the job runs a while: the runner starts the others meanwhile
         with self.fake.lock:
             self.fake.busy[self.gpu] -= 1
         return self.returncode
 
 
-def test_gpus_give_each_job_its_own_cuda_visible_devices(tmp_path, monkeypatch, capsys):
+def test_gpus_give_each_job_its_own_cuda_visible_devices(tmp_path, monkeypatch):
     """--gpus 0,1 --jobs-per-gpu 2: every job on GPU 0 or 1, at most 2 on one GPU at a time (and
     2 reached); --nproc 2 --gpus 0,1,2,3: each torchrun job gets a pair; without --gpus the
     environment's own devices are left alone. The full-scale gsg / dcl tables show the published
@@ -173,8 +170,6 @@ def test_gpus_give_each_job_its_own_cuda_visible_devices(tmp_path, monkeypatch, 
     assert len(fake.jobs) == 15 and {job["gpu"] for job in fake.jobs} == {"0", "1"}
     assert fake.most == {"0": 2, "1": 2}
     assert all(job["cmd"][job["cmd"].index("--device") + 1] == "cuda" for job in fake.jobs)
-    printed = capsys.readouterr().out
-    assert "about 33 min (first epoch 10 s of 200)" in printed  # 0 s + 199 x 10 s
     saved, text = check_published(out, "dcl")
     assert saved["comparable"] and "Full scale: the paper's settings and protocol." in text
     best = {r["row"]: r for r in saved["rows"] if r["metric"] == "knn_top1_best"}
