@@ -124,9 +124,9 @@ def update_errors(run, reference):
         mine, mine_after, after = run["before"][key], run["after"][key], reference["after"][key]
         assert torch.equal(mine, start), f"{key}: another state before the step"
         group = f"update {key[0]}.{key[1]}"
-        if not start.is_floating_point():  # pointers, labels, counts: equal
-            equal = torch.equal(mine_after, after)
-            sums.setdefault(group, [0.0, 1.0])[0] += 0.0 if equal else math.inf
+        if not start.is_floating_point():  # pointers, labels, counts: equal, else inf
+            if not torch.equal(mine_after, after):
+                sums.setdefault(group, [0.0, 0.0])[0] = math.inf
             continue
         delta, reference_delta = (mine_after - mine).double(), (after - start).double()
         total = sums.setdefault(group, [0.0, 0.0])
