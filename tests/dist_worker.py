@@ -1,8 +1,9 @@
 """torchrun entry point for the distributed tests: `dist_worker.py MODULE FUNCTION OUT [ARG...]`.
 
-Imports MODULE, joins the gloo process group, calls MODULE.FUNCTION(*ARGs) and saves its result
-to OUT.<rank>."""
+Imports MODULE, joins the gloo process group (DIST_BACKEND=nccl: NCCL's, a GPU per process, as
+tests/test_cuda.py asks), calls MODULE.FUNCTION(*ARGs) and saves its result to OUT.<rank>."""
 import importlib
+import os
 import sys
 
 import torch
@@ -14,7 +15,10 @@ if __name__ == "__main__":
     # init_process_group leaves a reference to the group that destroy_process_group cannot drop,
     # so gloo's threads outlive it and can abort the interpreter's exit (see common.py's imports).
     module = importlib.import_module(module)
-    dist.init_process_group("gloo")
+    backend = os.environ.get("DIST_BACKEND", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend)
     torch.set_num_threads(1)
     result = getattr(module, function)(*args)
     torch.save(result, f"{out}.{dist.get_rank()}")

@@ -1,0 +1,380 @@
+"""Speed of every method file on this device, in one Markdown table: does the device wait?
+
+One row per method: images/s of the real loop (uint8 images held on the device, common.Augment
+with the file's recipes, the lr schedule, the file's own train_step) beside the bare network step
+(the same network calls on the same views, a trivial loss, backward, optimiser: their ratio is the
+pipeline's efficiency, target >= 0.9 on a GPU); one epoch's seconds on CIFAR-10's shape (the
+cuda preset; the cpu preset's few images), kNN monitor (common.evaluate) included; host-device
+syncs per loop step (CUDA: torch.cuda.set_sync_debug_mode("warn"); target 0); peak GPU memory.
+Below it: common.Augment against torchvision's per-image PIL pipeline, and common.LARS's step
+against torch.optim.SGD's on the same ResNet-18.
+
+    python benchmarks/speed.py --device cuda                # real size: w64, 32 px, batch 256/512
+    python benchmarks/speed.py --device cpu                 # small preset: w8, 16 px, 1,024 images
+    python benchmarks/speed.py --device cpu --methods simco nnclr-dcl --out speed.md
+"""
+import argparse
+import contextlib
+import datetime
+import gc
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from PIL import Image
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import common  # noqa: E402
+import moco_simmoco_simco as mss  # noqa: E402
+import nnclr_dcl  # noqa: E402
+import simclr_dcl  # noqa: E402
+import simsiam_byol_gsg as gsg  # noqa: E402
+
+METHODS = {  # row -> (method file, its options); one row per method file at least
+    "simclr-dcl": (simclr_dcl, ["--loss", "dcl"]),
+    "mocov2": (mss, ["--method", "mocov2"]),
+    "simco": (mss, ["--method", "simco"]),
+    "simsiam-gsg": (gsg, ["--method", "simsiam", "--stopgrad", "guided"]),
+    "byol-gsg": (gsg, ["--method", "byol", "--stopgrad", "guided"]),
+    "nnclr-dcl": (nnclr_dcl, ["--loss", "dcl"]),
+}
+# the cpu preset's heads, queue and support set (the defaults' 65,536 rows and 2,048-wide heads
+# would outweigh a width-8 ResNet); tests/test_cuda.py uses them too
+SMALL_HEADS = {simclr_dcl: ["--proj-hidden", "64", "--proj-dim", "32"],
+               mss: ["--proj-hidden", "64", "--proj-dim", "32", "--queue-size", "1024"],
+               gsg: ["--proj-hidden", "64", "--proj-dim", "32", "--pred-hidden", "16"],
+               nnclr_dcl: ["--proj-hidden", "64", "--proj-dim", "32", "--pred-hidden", "64",
+                           "--support-size", "1024"]}
+
+
+@dataclass
+class Preset:
+    width: int  # ResNet-18 base width
+    image: int  # image side
+    batch: int  # global batch; 0: each method's own default (256, GSG 512)
+    train: int  # the epoch's images (each trained on once; then the kNN bank)
+    test: int  # the kNN monitor's test images
+    warmup: int  # untimed loop steps first (cuDNN's autotuning)
+    sync_steps: int  # then loop steps counted under set_sync_debug_mode (CUDA only), untimed
+    aug_images: int  # images through each augmentation pipeline
+    heads: dict = field(default_factory=dict)  # method file -> options
+
+
+PRESETS = {"cuda": Preset(64, 32, 0, 50000, 10000, 5, 3, 20000),
+           "cpu": Preset(8, 16, 64, 1024, 256, 2, 0, 2000, SMALL_HEADS)}
+
+
+# ------------------------------------------------------------------------------ one method's step
+@dataclass
+class Training:
+    """A method's model, optimiser and state, built as its main() builds them, and its real step."""
+    args: argparse.Namespace
+    modules: dict  # name -> nn.Module: every parameter and buffer a step may change
+    backbone: nn.Module
+    optimizer: torch.optim.Optimizer
+    step: object  # step(views, labels, order) -> loss: train_step; order: the epoch's CPU generator
+
+
+def training(mod, argv, ctx, image_size):
+    """Method file `mod` with options `argv` on ctx.device, from seed 0 (built on the CPU, then
+    moved: the same weights on every device and process)."""
+    args = mod.parse_args(argv)
+    args.image_size = image_size
+    torch.manual_seed(args.seed)
+    lr, s = args.lr * args.batch_size / 256, image_size
+    if mod is simclr_dcl:
+        model = simclr_dcl.SimCLR(args.arch, args.width, s, args.proj_hidden, args.proj_dim)
+        net = common.distribute(model.to(ctx.device), ctx)
+        optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, lr)
+        return Training(args, {"net": model}, model.backbone, optimizer,
+                        lambda views, labels, order: simclr_dcl.train_step(
+                            net, optimizer, views, args, ctx)[0])
+    if mod is mss:
+        model = mss.Encoder(args.arch, args.width, s, args.proj_hidden, args.proj_dim)
+        model = model.to(ctx.device)
+        key_encoder = mss.momentum_encoder(model, ctx) if args.method != "simco" else None
+        queues = nn.ModuleList(mss.KeyQueue(args.queue_size, args.proj_dim, args.seed + i)
+                               for i in range(1 + args.symmetric)).to(ctx.device) \
+            if args.method == "mocov2" else None
+        net = common.distribute(model, ctx)
+        optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, lr)
+        modules = {"net": model, "key_encoder": key_encoder, "queues": queues}
+        return Training(args, {k: m for k, m in modules.items() if m is not None}, model.backbone,
+                        optimizer, lambda views, labels, order: mss.train_step(
+                            net, optimizer, views, args, ctx, key_encoder, queues)[0])
+    if mod is gsg:
+        model = gsg.SiameseNet(args.arch, args.width, s, args.proj_hidden, args.proj_dim,
+                               args.pred_hidden, not args.no_predictor, args.proj_layers)
+        model = model.to(ctx.device)
+        target = gsg.momentum_encoder(model.encoder, ctx) if args.method == "byol" else None
+        net = common.distribute(model, ctx)
+        groups = [{"params": model.encoder.parameters(), "fix_lr": False},
+                  {"params": model.predictor.parameters(), "fix_lr": args.fix_pred_lr}]
+        optimizer = common.pretraining_optimizer(groups, args, ctx, lr)
+
+        def step(views, labels, order):
+            pairing = gsg.draw_pairing(args.batch_size, args.stopgrad, order, ctx)
+            return gsg.train_step(net, optimizer, views, args, ctx, pairing=pairing,
+                                  target=target, online=model.encoder, tau=args.ema)[0]
+        modules = {"net": model, **({"target": target} if target is not None else {})}
+        return Training(args, modules, model.encoder.backbone, optimizer, step)
+    model = nnclr_dcl.NNCLR(args.arch, args.width, s, args.proj_hidden, args.proj_dim,
+                            args.pred_hidden)
+    net = common.distribute(model.to(ctx.device), ctx)
+    optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, lr)
+    support_set = nnclr_dcl.SupportSet(args.support_size, args.proj_dim, args.seed).to(ctx.device)
+    return Training(args, {"net": model, "support_set": support_set}, model.backbone, optimizer,
+                    lambda views, labels, order: nnclr_dcl.train_step(
+                        net, optimizer, views, args, ctx, labels, support_set)[0])
+
+
+def recorded_step(t, views, labels, order):
+    """One real step, noting each call of its networks: [(module, inputs, gradient on)]."""
+    calls = []
+    handles = [m.register_forward_pre_hook(
+        lambda module, inputs: calls.append((module, inputs, torch.is_grad_enabled())))
+        for m in t.modules.values()]  # the queues and the support set are never called
+    try:
+        t.step(views, labels, order)
+    finally:
+        for handle in handles:  # no hook left to keep the model alive into the next row
+            handle.remove()
+    return calls
+
+
+def bare_step(calls, optimizer, ctx):
+    """The recorded network calls on the same views, a trivial loss, backward, the optimiser: the
+    step without augmentation, the method's loss or its bookkeeping (EMA, queue, support set)."""
+    with ctx.autocast():
+        outputs = []
+        for module, inputs, grad in calls:
+            with torch.set_grad_enabled(grad):
+                outputs.append(module(*inputs))
+    loss = sum(t.float().mean() for t in tensors(outputs) if t.requires_grad)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+
+
+def tensors(x):
+    """Every tensor in nested lists and tuples (the networks' outputs)."""
+    if torch.is_tensor(x):
+        return [x]
+    return [t for item in x for t in tensors(item)] if isinstance(x, (list, tuple)) else []
+
+
+# ------------------------------------------------------------------------------ measuring
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds_per_call(fn, device, calls):
+    """Mean wall time of `calls` calls after one untimed call, the device's work included."""
+    fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / calls
+
+
+@contextlib.contextmanager
+def counting_syncs(counts):
+    """Count the host-device synchronisations inside the block into `counts` (CUDA)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every synchronisation, not once per line
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    counts.append(sum("synchroniz" in str(w.message) for w in caught))
+
+
+def held_data(preset, device):
+    """What common.load_data returns for CIFAR-10, with random uint8 images: the train split
+    doubles as the kNN bank (as CIFAR's does), the test split apart; held on the device."""
+    n, s, g = preset.train + preset.test, preset.image, torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (n, 3, s, s), dtype=torch.uint8, generator=g).to(device)
+    labels = torch.randint(0, 10, (n,), generator=g).to(device)
+    train = images[:preset.train], labels[:preset.train]
+    return common.Data(*train, train, (images[preset.train:], labels[preset.train:]), 10, s,
+                       *common.STATS["cifar10"])
+
+
+def method_row(name, preset, data, ctx):
+    """One epoch of method `name`'s real loop, then its kNN monitor, then the bare step -> row."""
+    mod, options = METHODS[name]
+    cuda = ctx.device.type == "cuda"
+    if cuda:  # the earlier rows' models are gone: this row's peak is its own
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    argv = [*options, "--width", str(preset.width), *preset.heads.get(mod, []),
+            *(["--batch-size", str(preset.batch)] if preset.batch else [])]
+    t = training(mod, argv, ctx, preset.image)
+    batch, calls, syncs = t.args.batch_size, None, []
+    augment = common.Augment(mod.recipes(t.args), preset.image, data.mean, data.std, ctx)
+    steps, peak_lr = len(data) // batch, t.args.lr * batch / 256
+    first_timed = preset.warmup + preset.sync_steps
+    half = min(steps - first_timed, 20) // 2  # bare steps before the timed loop steps and after
+    order, generator = common.epoch_generators(t.args.seed, 0, ctx.device)
+    start = time.perf_counter()
+    for i, (images, labels) in enumerate(common.train_batches(data, batch, order, ctx)):
+        if i == first_timed:  # (a load that drifts favours neither side)
+            sync(ctx.device)
+            paused = time.perf_counter()
+            bare_s = seconds_per_call(lambda: bare_step(calls, t.optimizer, ctx), ctx.device, half)
+            timed_start = time.perf_counter()
+            start += timed_start - paused  # the bare steps are no part of the epoch
+        counted = cuda and preset.warmup <= i < first_timed
+        with counting_syncs(syncs) if counted else contextlib.nullcontext():
+            for group in t.optimizer.param_groups:
+                group["lr"] = common.learning_rate(i, steps, 0, peak_lr)
+            views = augment(images, generator)
+            if i == 0:  # a warm-up step: note its network calls for the bare step
+                calls = recorded_step(t, views, labels, order)
+            else:
+                t.step(views, labels, order)
+    sync(ctx.device)
+    end = time.perf_counter()
+    common.evaluate(t.backbone, data, ctx, t.args)  # the kNN monitor
+    sync(ctx.device)
+    knn_s = time.perf_counter() - end
+    bare_s += seconds_per_call(lambda: bare_step(calls, t.optimizer, ctx), ctx.device, half)
+    loop_rate = (steps - first_timed) * batch / (end - timed_start)
+    return {"method": name, "batch": batch, "views": len(views), "loop": loop_rate,
+            "bare": 2 * batch / bare_s, "epoch_s": end - start + knn_s, "knn_s": knn_s,
+            "syncs": sum(syncs) / len(syncs) if syncs else None,
+            "memory": torch.cuda.max_memory_allocated(ctx.device) / 2 ** 30 if cuda else None}
+
+
+# ------------------------------------------------------------------------------ baselines
+class PilImages(torch.utils.data.Dataset):
+    """Images as torchvision serves CIFAR: uint8 HWC array -> PIL image -> `transform`."""
+
+    def __init__(self, images, transform):
+        self.images, self.transform = images, transform
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, i):
+        return self.transform(Image.fromarray(self.images[i]))
+
+
+def augmentation_rates(preset, ctx):
+    """images/s of common.Augment (SimCLR's CIFAR recipe, one view, batches of 512 on the device)
+    and of torchvision's per-image PIL pipeline for the same recipe in DataLoader workers, one per
+    core, on the same number of images (the workers' start not timed) -> (ours, PIL, workers)."""
+    import torchvision.transforms as T
+    n, s, r, (mean, std) = preset.aug_images, preset.image, common.Recipe(), common.STATS["cifar10"]
+    images = torch.randint(0, 256, (n, 3, s, s), dtype=torch.uint8)
+    augment = common.Augment([r], s, mean, std, ctx)
+    batches = images.to(ctx.device).split(512)
+    generator = torch.Generator(ctx.device).manual_seed(0)
+    ours = n / seconds_per_call(lambda: [augment(b, generator) for b in batches], ctx.device, 1)
+    transform = T.Compose([
+        T.RandomResizedCrop(s, scale=r.crop_scale, ratio=r.crop_ratio), T.RandomHorizontalFlip(),
+        T.RandomApply([T.ColorJitter(*r.jitter)], p=r.jitter_p), T.RandomGrayscale(r.gray_p),
+        T.ToTensor(), T.Normalize(mean, std)])
+    workers = os.cpu_count() or 1
+    loader = torch.utils.data.DataLoader(PilImages(images.permute(0, 2, 3, 1).numpy(), transform),
+                                         batch_size=256, num_workers=workers,
+                                         persistent_workers=True)
+    next(iter(loader))  # the workers started
+    start = time.perf_counter()
+    count = sum(len(x) for x in loader)
+    return ours, count / (time.perf_counter() - start), workers
+
+
+def optimizer_step_ms(preset, ctx):
+    """ms per step of common.LARS (nnclr_dcl.py's: eta 0.02, clipped, no trust ratio or weight
+    decay on batch-norm and bias) and of torch.optim.SGD (momentum 0.9, weight decay on all, as
+    --optimizer sgd), on ResNet-18's parameters with fixed random gradients -> (LARS, SGD)."""
+    model = common.ResNet("resnet18", preset.width, preset.image).to(ctx.device)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    times = []
+    for name in ("lars", "sgd"):
+        args = argparse.Namespace(optimizer=name, wd=5e-4, lars_eta=0.02, lars_clip=True)
+        optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, 0.1)
+        times.append(1e3 * seconds_per_call(optimizer.step, ctx.device, 20))
+    return times
+
+
+# ------------------------------------------------------------------------------ the table
+def markdown_row(cells):
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def number(x, digits=0, unit=""):
+    return "n/a" if x is None else f"{x:,.{digits}f}{unit}"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=list(PRESETS), default="cuda" if torch.cuda.is_available()
+                   else "cpu", help="the device and its preset")
+    p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
+                   help="rows")
+    p.add_argument("--out", help="also write the tables (Markdown) to this file")
+    o = p.parse_args(argv)
+    started, preset = time.perf_counter(), PRESETS[o.device]
+    if o.device == "cpu":  # one thread: on a shared CPU a descheduled second thread stalls every
+        torch.set_num_threads(1)  # small operator (measured: 2 threads 10-40x slower, load 5)
+    # this process's device as every script's: cuDNN's autotuner, bf16 where native (common.setup)
+    ctx = common.setup(argparse.Namespace(batch_size=2, device=o.device, amp=None, out=""))
+    device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else \
+        f"CPU {platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} thread(s)"
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip() or "n/a"
+    lines = []
+
+    def say(*new):  # printed as measured: a run stopped early keeps what it measured
+        print("\n".join(new), flush=True)
+        lines.extend(new)
+    say(f"#### speed.py: {device}, {datetime.datetime.now():%Y-%m-%d %H:%M}, torch "
+        f"{torch.__version__}, git {commit}", "",
+        f"`python benchmarks/speed.py {' '.join(sys.argv[1:] if argv is None else argv)}`: "
+        f"ResNet-18 w{preset.width}, {preset.image} px, {preset.train:,} + {preset.test:,} uint8 "
+        f"images held on the device, bf16 autocast {'on' if ctx.amp else 'off'}.", "",
+        markdown_row(["method", "batch", "views", "real loop img/s", "bare step img/s", "ratio",
+                      f"epoch s ({preset.train:,} img; kNN s)", "syncs / step", "peak memory"]),
+        "|" + "---|" * 9)
+    data = held_data(preset, ctx.device)
+    for name in o.methods:
+        r = method_row(name, preset, data, ctx)
+        say(markdown_row([name, r["batch"], r["views"], number(r["loop"]), number(r["bare"]),
+                          f"{r['loop'] / r['bare']:.2f}", f"{r['epoch_s']:.1f} ({r['knn_s']:.1f})",
+                          number(r["syncs"], 1), number(r["memory"], 2, " GiB")]))
+    ours, pil, workers = augmentation_rates(preset, ctx)
+    lars, sgd = optimizer_step_ms(preset, ctx)
+    say("", markdown_row(["baseline", "ours", "theirs", "ratio"]), "|---|---|---|---|",
+        markdown_row([f"augmentation, SimCLR's recipe, {preset.image} px, "
+                      f"{preset.aug_images:,} images", f"common.Augment {ours:,.0f} img/s",
+                      f"torchvision PIL, {workers} workers {pil:,.0f} img/s",
+                      f"{ours / pil:.1f}x"]),
+        markdown_row([f"optimiser step, ResNet-18 w{preset.width}", f"common.LARS {lars:.2f} ms",
+                      f"torch.optim.SGD {sgd:.2f} ms", f"{lars / sgd:.1f}x"]))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+    say("", f"{time.perf_counter() - started:.0f} s in all; peak RSS of the process {rss:.2f} "
+        f"GiB; load average {os.getloadavg()[0]:.1f}.")
+    if o.out:
+        with open(o.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
