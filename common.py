@@ -442,16 +442,17 @@ def extract_features(backbone, split, data, ctx, workers=0, unit=True):
     lo, hi = min(ctx.rank * share, n), min((ctx.rank + 1) * share, n)
     batches = zip(*(t[lo:hi].split(256) for t in split)) if held else torch.utils.data.DataLoader(
         torch.utils.data.Subset(split, range(lo, hi)), 256, num_workers=workers,
-        generator=torch.Generator())  # workers seeded apart from the global RNG
+        pin_memory=device.type == "cuda", generator=torch.Generator())  # (not the global RNG)
     features = torch.zeros(share, backbone.out_dim, device=device)
     labels = torch.full((share,), -1, dtype=torch.long, device=device)
+    mean, std = (torch.tensor(t, device=device) for t in (data.mean, data.std))  # copied once
     backbone.eval()
-    for i, (images, y) in enumerate(batches):  # batches of 256
-        images = images.to(device)
+    for i, (images, y) in enumerate(batches):  # batches of 256; pinned: copies without a wait
+        images, y = images.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if data.whole and held:  # image files held whole: the view streamed
             images = eval_view(images, data.image_size)  # ones get from their workers
         with ctx.autocast():
-            f = backbone(normalize(images.float() / 255, data.mean, data.std)).float()
+            f = backbone(normalize(images.float() / 255, mean, std)).float()
         features[256 * i:256 * i + len(y)] = F.normalize(f, dim=1) if unit else f
         labels[256 * i:256 * i + len(y)] = y
     backbone.train(was_training)
