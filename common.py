@@ -606,9 +606,10 @@ class OnlineProbe:
     the detached backbone features of each training view, cross-entropy without the unlabelled
     (-1), SGD momentum 0.9 (solo/args/utils.py line 204), lr 0.3 whatever the batch (bash_files/
     *.sh --classifier_lr; utils.py line 212 scales only --lr), no weight decay, the pre-training's
-    warm-up and cosine. A forward hook on the backbone keeps the outputs of the training passes
-    (train mode, gradient on), so the step computes what it computes without the probe, and no
-    second backbone pass runs. Its gradient is the mean over the global batch's labelled views."""
+    warm-up and cosine. A forward hook on the backbone keeps the outputs of its passes in train
+    mode (every view's, as base.py lines 475 and 482 per issue 28), so the step computes what it
+    computes without the probe, and no second backbone pass runs. Its gradient is the mean over
+    the global batch's labelled views."""
 
     def __init__(self, backbone, num_classes, ctx, seed, lr=0.3):
         self.lr, self.features = lr, []
@@ -617,7 +618,7 @@ class OnlineProbe:
         backbone.register_forward_hook(self.keep)
 
     def keep(self, backbone, inputs, output):
-        if backbone.training and torch.is_grad_enabled():  # not evaluation's, nor a target's
+        if backbone.training:  # not evaluation's
             self.features.append(output.detach())
 
     def step(self, labels, lr_scale):

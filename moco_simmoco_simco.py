@@ -182,12 +182,13 @@ def train_step(net, optimizer, views, args, ctx, key_encoder=None, queues=None):
 
     L(q, k, queue) is DT Eq. 9 (dual_temperature_loss); f is `net`, f_k the momentum encoder.
       mocov2 / simmoco: q1 = f(x1), k2 = f_k(x2) (no gradient), L(q1, k2, queue); --symmetric
-        (MoCo v2+ / SimMoCo+) adds q2 = f(x2), k1 = f_k(x1): (L(q1, k2) + L(q2, k1)) / 2. mocov2's
-        negatives are past keys, a queue per key view as official mocov2plus: q1 meets past k2's,
-        q2 past k1's; simmoco's are the batch's other keys (queue None).
+        (MoCo v2+ / SimMoCo+) adds L(q2, k1), q2 = f(x2), k1 = f_k(x1): (L(q1, k2) + L(q2, k1)) / 2.
+        mocov2's negatives are past keys, a queue per key view as official mocov2plus: q1 meets
+        past k2's, q2 past k1's; simmoco's are the batch's other keys (queue None).
       simco: z1 = f(x1), z2 = f(x2), (L(z1, z2) + L(z2, z1)) / 2, gradient through both.
-    Each view is its own forward pass (BatchNorm over its own batch), as solo-learn's per-crop
-    forward (solo/methods/base.py), which the official code runs on.
+    Each view is its own forward pass (BatchNorm over its own batch) through each encoder, in every
+    method, as the official code (solo/methods/base.py lines 475, 482, per issue 28): without
+    --symmetric, q2 and k1 feed only BatchNorm's statistics and the online probes.
     """
     def L(q, k, queue=None):  # -> (loss, (W(tau_alpha), W(tau_beta)) per anchor)
         return dual_temperature_loss(q, k, args.tau_alpha, args.tau_beta, queue)
@@ -202,10 +203,10 @@ def train_step(net, optimizer, views, args, ctx, key_encoder=None, queues=None):
     else:
         with ctx.autocast():
             q1 = net(x1)  # (b, D)
-            q2 = net(x2) if args.symmetric else None
+            with torch.set_grad_enabled(args.symmetric):  # else no loss takes q2: no graph
+                q2 = net(x2)  # (b, D)
             with torch.no_grad():
-                k2 = key_encoder(x2)  # (b, D) q1's positive
-                k1 = key_encoder(x1) if args.symmetric else None  # q2's
+                k1, k2 = key_encoder(x1), key_encoder(x2)  # (b, D) each: q2's and q1's positives
         q1, k2 = common.float32(q1), F.normalize(common.float32(k2), dim=1)  # keys: unit, as queued
         loss, (w_alpha, w_beta) = L(q1, k2, queues[0].rows if queues is not None else None)
         if args.symmetric:
