@@ -12,7 +12,7 @@ Part 1, what the methods build on (read it next to a method file):
   data order and batches        epoch_generators, train_batches
   evaluation                    extract_features, knn_accuracy, linear_probe (this project's fast
                                 probe) and linear_probe_augmented (the authors' LINEAR_PROTOCOLS),
-                                one loop: train_linear; OnlineProbe (solo-learn's), evaluate
+                                one loop: train_linear; OnlineProbe, online_probes, evaluate
   learning rate and optimisers  learning_rate, LARS, pretraining_optimizer
 Part 2, plumbing that changes nothing a method computes:
   errors                        UserError, run (one `error:` line; Ctrl-C: how to resume)
@@ -601,18 +601,18 @@ def linear_probe_augmented(backbone, data, ctx, protocol="gsg-cifar", epochs=Non
 
 
 class OnlineProbe:
-    """solo-learn's online linear classifier, as the dual-temperature authors' code trains it
-    (ChaoningZhang/Dual-temperature solo/methods/base.py lines 246, 335-343, 424-447): nn.Linear on
-    the detached backbone features of each training view, cross-entropy without the unlabelled
-    (-1), SGD momentum 0.9 (solo/args/utils.py line 204), lr 0.3 whatever the batch (bash_files/
-    *.sh --classifier_lr; utils.py line 212 scales only --lr), no weight decay, the pre-training's
-    warm-up and cosine. A forward hook on the backbone keeps the outputs of its passes in train
-    mode (every view's, as base.py lines 475 and 482 per issue 28), so the step computes what it
-    computes without the probe, and no second backbone pass runs. Its gradient is the mean over
-    the global batch's labelled views."""
+    """The online linear classifier of the DT authors' solo-learn fork (ChaoningZhang/Dual-
+    temperature solo/methods/base.py lines 246, 335-343, 424-447; today's solo-learn scales its
+    lr by the batch): nn.Linear on the detached backbone features of each training view,
+    cross-entropy without the unlabelled (-1), SGD momentum 0.9 (solo/args/utils.py line 204),
+    lr 0.3 whatever the batch (bash_files/*.sh --classifier_lr; utils.py line 212 scales only
+    --lr), no weight decay, the pre-training's warm-up and cosine. A forward hook keeps the
+    backbone's outputs in train mode (every view's: base.py lines 475, 482), so the step computes
+    what it computes without the probe, and no second backbone pass runs. Its gradient is the mean
+    over the global batch's labelled views; its result is `name`."""
 
-    def __init__(self, backbone, num_classes, ctx, seed, lr=0.3):
-        self.lr, self.features = lr, []
+    def __init__(self, backbone, num_classes, ctx, seed, name="online_top1", lr=0.3):
+        self.backbone, self.name, self.lr, self.features = backbone, name, lr, []
         self.classifier = linear_classifier(backbone.out_dim, num_classes, ctx.device, seed)
         self.optimizer = torch.optim.SGD(self.classifier.parameters(), lr=lr, momentum=0.9)
         backbone.register_forward_hook(self.keep)
@@ -637,10 +637,10 @@ class OnlineProbe:
         self.optimizer.step()
 
     @torch.no_grad()
-    def accuracy(self, backbone, data, ctx, workers=0):
+    def accuracy(self, data, ctx, workers=0):
         """Top-1 % on the un-augmented test split, the backbone in eval mode (solo-learn's)."""
-        test_f, test_y = extract_features(backbone, data.eval_test, data, ctx, workers, unit=False)
-        return top1(lambda f: self.classifier(float32(f)), test_f, test_y)
+        f, y = extract_features(self.backbone, data.eval_test, data, ctx, workers, unit=False)
+        return top1(lambda x: self.classifier(float32(x)), f, y)
 
     def state_dict(self):  # for checkpoint.pt
         return {"classifier": self.classifier.state_dict(),
@@ -651,16 +651,28 @@ class OnlineProbe:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-def evaluate(backbone, data, ctx, args, final=False, probe=None):
-    """kNN top-1 (k = --knn-k) and the online `probe`'s top-1; with `final` also k=1 and the
-    final linear probe (--linear-protocol, 0 --linear-epochs: none)."""
+def online_probes(args, data, ctx, backbone, momentum_encoder=None):
+    """--online-probe's OnlineProbes by checkpoint name ({} without it): on `backbone`, and on a
+    momentum encoder's as the DT scripts' --momentum_classifier (base.py lines 631-635, 768-782)."""
+    if not args.online_probe:
+        return {}
+    probes = {"online_probe": OnlineProbe(backbone, data.num_classes, ctx, args.seed)}
+    if momentum_encoder is not None:
+        probes["momentum_probe"] = OnlineProbe(momentum_encoder.backbone, data.num_classes, ctx,
+                                               args.seed, "momentum_online_top1")
+    return probes
+
+
+def evaluate(backbone, data, ctx, args, final=False, probes=None):
+    """kNN top-1 (k = --knn-k) and each online probe's top-1 (`probes`: online_probes'); with
+    `final` also k=1 and the final linear probe (--linear-protocol, 0 --linear-epochs: none)."""
     train_f, train_y = extract_features(backbone, data.eval_train, data, ctx, args.workers)
     test_f, test_y = extract_features(backbone, data.eval_test, data, ctx, args.workers)
     knn = lambda k: knn_accuracy(train_f, train_y, test_f, test_y, data.num_classes, k,  # noqa
                                  args.knn_t)
     result = {"knn_top1": knn(args.knn_k)}
-    if probe is not None:
-        result["online_top1"] = probe.accuracy(backbone, data, ctx, args.workers)
+    for probe in (probes or {}).values():
+        result[probe.name] = probe.accuracy(data, ctx, args.workers)
     if final:
         result.update(knn_k=args.knn_k, knn_k1_top1=knn(1), epochs=args.epochs)
         protocol = args.linear_protocol

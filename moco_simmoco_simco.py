@@ -255,10 +255,9 @@ def main(argv=None):
     net = torch.compile(net) if args.compile else net
     peak_lr = args.lr * args.batch_size / 256
     optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, peak_lr)
-    probe = common.OnlineProbe(model.backbone, data.num_classes, ctx, args.seed) \
-        if args.online_probe else None  # reads the backbone's training passes
+    probes = common.online_probes(args, data, ctx, model.backbone, key_encoder)
     states = {"model": model, "optimizer": optimizer, "key_encoder": key_encoder, "queues": queues,
-              "online_probe": probe}
+              **probes}
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
     common.start_run(args, ctx, "moco_simmoco_simco")
     augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
@@ -277,20 +276,20 @@ def main(argv=None):
             views = augment(images, generator)
             loss, (w_alpha, w_beta, entropy) = train_step(net, optimizer, views, args, ctx,
                                                           key_encoder, queues)
-            if probe is not None:  # the views' features this step kept
+            for probe in probes.values():  # the views' features this step kept
                 probe.step(labels, lr / peak_lr)
             # DT Fig. 3 / Eq. 4: the anchors' weights and how unequal they are
             meter.update(lr, loss=loss, w_alpha=w_alpha, w_beta=w_beta, r_plus_entropy=entropy)
         record = meter.summary()
         common.check_finite(record)
         if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
-            record.update(common.evaluate(model.backbone, data, ctx, args, probe=probe))
+            record.update(common.evaluate(model.backbone, data, ctx, args, probes=probes))
         common.log_epoch(ctx, record)
         common.save_checkpoint(ctx, epoch + 1, states)
         if args.stop_after == epoch + 1 < args.epochs:
             return ctx.print(f"stopped after epoch {epoch + 1}: continue with --resume {ctx.out}")
 
-    results = common.evaluate(model.backbone, data, ctx, args, final=True, probe=probe)
+    results = common.evaluate(model.backbone, data, ctx, args, final=True, probes=probes)
     common.finish(ctx, model.backbone, results)
 
 

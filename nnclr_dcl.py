@@ -233,10 +233,8 @@ def main(argv=None):
     peak_lr = args.lr * args.batch_size / 256
     optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, peak_lr)
     support_set = SupportSet(args.support_size, args.proj_dim, args.seed).to(ctx.device)
-    probe = common.OnlineProbe(model.backbone, data.num_classes, ctx, args.seed) \
-        if args.online_probe else None  # reads the backbone's training passes
-    states = {"model": model, "optimizer": optimizer, "support_set": support_set,
-              "online_probe": probe}
+    probes = common.online_probes(args, data, ctx, model.backbone)
+    states = {"model": model, "optimizer": optimizer, "support_set": support_set, **probes}
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
     common.start_run(args, ctx, "nnclr_dcl")
     augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
@@ -255,7 +253,7 @@ def main(argv=None):
             views = augment(images, generator)
             loss, same_class, labelled = train_step(net, optimizer, views, args, ctx, labels,
                                                     support_set)
-            if probe is not None:  # the views' features this step kept
+            for probe in probes.values():  # the views' features this step kept
                 probe.step(labels, lr / peak_lr)
             meter.update(lr, loss=loss, same_class=same_class, labelled=labelled)
         record = meter.summary()
@@ -264,13 +262,13 @@ def main(argv=None):
         same_class, labelled = record.pop("same_class"), record.pop("labelled")
         record["nn_same_class"] = same_class / labelled if labelled > 0 else None
         if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
-            record.update(common.evaluate(model.backbone, data, ctx, args, probe=probe))
+            record.update(common.evaluate(model.backbone, data, ctx, args, probes=probes))
         common.log_epoch(ctx, record)
         common.save_checkpoint(ctx, epoch + 1, states)
         if args.stop_after == epoch + 1 < args.epochs:
             return ctx.print(f"stopped after epoch {epoch + 1}: continue with --resume {ctx.out}")
 
-    results = common.evaluate(model.backbone, data, ctx, args, final=True, probe=probe)
+    results = common.evaluate(model.backbone, data, ctx, args, final=True, probes=probes)
     common.finish(ctx, model.backbone, results)
 
 
