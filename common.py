@@ -191,15 +191,18 @@ class ResNet(nn.Module):
     """ResNet-18/34/50 backbone: image (B, 3, S, S) -> features (B, out_dim), no classifier.
     Written out so that `width` (--width) can shrink every layer; blocks and names are torchvision's
     (at width 64 the weights load into its resnet, fc dropped). Up to 64 px the CIFAR stem (3x3
-    stride-1 conv, no max-pool): the ImageNet one would shrink 32 px to 8 before layer1."""
+    stride-1 conv, no max-pool): the ImageNet one would shrink 32 px to 8 before layer1. Its
+    `stem_padding` 1 keeps 32 x 32 maps; the DT and solo-learn code's 2 makes them 34 x 34."""
     LAYERS = {"resnet18": (BasicBlock, [2, 2, 2, 2]), "resnet34": (BasicBlock, [3, 4, 6, 3]),
               "resnet50": (Bottleneck, [3, 4, 6, 3])}
 
-    def __init__(self, arch="resnet18", width=64, image_size=32, zero_init_residual=False):
+    def __init__(self, arch="resnet18", width=64, image_size=32, stem_padding=1,
+                 zero_init_residual=False):
         super().__init__()
         block, blocks = self.LAYERS[arch]
         small = image_size <= 64
-        self.conv1 = nn.Conv2d(3, width, *((3, 1, 1) if small else (7, 2, 3)), bias=False)
+        stem = (3, 1, stem_padding) if small else (7, 2, 3)  # kernel, stride, padding
+        self.conv1 = nn.Conv2d(3, width, *stem, bias=False)
         self.bn1 = nn.BatchNorm2d(width)
         self.maxpool = nn.Identity() if small else nn.MaxPool2d(3, 2, 1)
         c_in = width
@@ -838,6 +841,9 @@ def add_common_args(parser):
     a("--limit-train", type=positive_int, help="use only N training images: the first N "
       "(imagefolder: N spread over its class folders)")
     a("--arch", choices=["resnet18", "resnet34", "resnet50"], default="resnet18", help="backbone")
+    # 1: this project's choice where no CIFAR stem of the authors' is cited (issue 28 gives no
+    # line for SimCLR's; GSG's repository has no CIFAR code); DT and NNCLR set 2, as their code
+    a("--stem-padding", type=non_negative_int, default=1, help="padding of the 3x3 stem (<= 64 px)")
     a("--width", type=positive_int, default=64, help="base channel count (64 = standard ResNet)")
     a("--epochs", type=non_negative_int, help="pre-training epochs (0: evaluate the untrained net)")
     a("--batch-size", type=positive_int, help="global batch, split evenly across processes")

@@ -56,9 +56,10 @@ def parse_args(argv=None):
     # --max_epochs 200, --lr 0.03 (per 256: solo/args/utils.py scales it by batch / 256),
     # --weight_decay 5e-4; 10 warm-up epochs: the paper and solo/methods/base.py --warmup_epochs;
     # crop area from 0.08: solo/args/dataset.py --min_scale default. The online probe: the DT
-    # paper's "Evaluation" paragraph reports "top-1 accuracy ... with the online linear evaluation"
+    # paper's "Evaluation" paragraph reports "top-1 accuracy ... with the online linear evaluation".
+    # The CIFAR stem's padding 2: official solo/methods/base.py lines 239-241 (issue 28 cites them)
     parser.set_defaults(batch_size=256, epochs=200, lr=0.03, wd=5e-4, warmup_epochs=10,
-                        crop_scale=(0.08, 1.0), online_probe=True)
+                        crop_scale=(0.08, 1.0), online_probe=True, stem_padding=2)
     args = common.parse_args(parser, argv, "moco_simmoco_simco")
     if args.tau_beta is None:  # MoCo v2 is plain InfoNCE unless --tau-beta asks for it
         args.tau_beta = args.tau_alpha if args.method == "mocov2" else 1.0
@@ -74,9 +75,9 @@ def parse_args(argv=None):
 class Encoder(nn.Module):
     """backbone f (ResNet) + MoCo v2's projector (Linear-ReLU-Linear, no BatchNorm) -> (B, D)."""
 
-    def __init__(self, arch, width, image_size, proj_hidden=128, proj_dim=128):
+    def __init__(self, arch, width, image_size, proj_hidden=128, proj_dim=128, stem_padding=1):
         super().__init__()
-        self.backbone = common.ResNet(arch, width, image_size)
+        self.backbone = common.ResNet(arch, width, image_size, stem_padding)
         self.projector = nn.Sequential(nn.Linear(self.backbone.out_dim, proj_hidden), nn.ReLU(),
                                        nn.Linear(proj_hidden, proj_dim))
 
@@ -244,8 +245,8 @@ def main(argv=None):
     data = common.load_data(args, ctx)
     args.image_size = data.image_size
     torch.manual_seed(args.seed)  # the same initial model on every rank
-    model = Encoder(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim)
-    model = model.to(ctx.device)
+    model = Encoder(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim,
+                    args.stem_padding).to(ctx.device)
     key_encoder = momentum_encoder(model, ctx) if args.method != "simco" else None  # no shuffle-BN
     queues = None
     if args.method == "mocov2":  # MoCo v2+ keeps one queue per key view, as official mocov2plus

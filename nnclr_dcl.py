@@ -48,9 +48,11 @@ def parse_args(argv=None):
     # batch 256 (line 32); LARS (31), eta 0.02, clip_lr, bias and norms excluded (36-39); lr 0.4
     # (33) per 256 (solo/args/pretrain.py lines 153-154 scale it by batch / 256); weight decay 1e-5
     # (35); warmup_cosine (41), 10 warm-up epochs per step (solo/methods/base.py lines 293-294);
-    # 1000 epochs (50). Crop scale (0.08, 1): augmentations/asymmetric.yaml lines 3-4.
+    # 1000 epochs (50). Crop scale (0.08, 1): augmentations/asymmetric.yaml lines 3-4. The CIFAR
+    # stem's padding 2: solo/methods/base.py lines 200-202 (at 9187ea3, as issue 28 cites them)
     parser.set_defaults(batch_size=256, epochs=1000, lr=0.4, wd=1e-5, warmup_epochs=10,
-                        crop_scale=(0.08, 1.0), optimizer="lars", lars_eta=0.02, lars_clip=True)
+                        crop_scale=(0.08, 1.0), optimizer="lars", lars_eta=0.02, lars_clip=True,
+                        stem_padding=2)
     return common.parse_args(parser, argv, "nnclr_dcl")
 
 
@@ -62,9 +64,10 @@ class NNCLR(nn.Module):
     normalised. z only feeds the support set and the nearest-neighbour lookup; the loss sees p.
     """
 
-    def __init__(self, arch, width, image_size, proj_hidden=2048, proj_dim=256, pred_hidden=4096):
+    def __init__(self, arch, width, image_size, proj_hidden=2048, proj_dim=256, pred_hidden=4096,
+                 stem_padding=1):
         super().__init__()
-        self.backbone = common.ResNet(arch, width, image_size)
+        self.backbone = common.ResNet(arch, width, image_size, stem_padding)
         self.projector = nn.Sequential(
             nn.Linear(self.backbone.out_dim, proj_hidden, bias=False),
             nn.BatchNorm1d(proj_hidden),
@@ -227,7 +230,7 @@ def main(argv=None):
                                f"batch {args.batch_size}; it must hold at least one batch")
     torch.manual_seed(args.seed)  # the same initial model on every rank
     model = NNCLR(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim,
-                  args.pred_hidden)
+                  args.pred_hidden, args.stem_padding)
     net = common.distribute(model.to(ctx.device), ctx)  # global BatchNorm + DDP; `model` stays bare
     net = torch.compile(net) if args.compile else net
     peak_lr = args.lr * args.batch_size / 256

@@ -52,9 +52,9 @@ def parse_args(argv=None):
 class SimCLR(nn.Module):
     """backbone f (ResNet) + projector g: image -> projection (B, proj_dim), not yet normalised."""
 
-    def __init__(self, arch, width, image_size, proj_hidden=2048, proj_dim=128):
+    def __init__(self, arch, width, image_size, proj_hidden=2048, proj_dim=128, stem_padding=1):
         super().__init__()
-        self.backbone = common.ResNet(arch, width, image_size)
+        self.backbone = common.ResNet(arch, width, image_size, stem_padding)
         self.projector = nn.Sequential(
             nn.Linear(self.backbone.out_dim, proj_hidden, bias=False),
             nn.BatchNorm1d(proj_hidden),
@@ -160,7 +160,8 @@ def main(argv=None):
     data = common.load_data(args, ctx)
     args.image_size = data.image_size
     torch.manual_seed(args.seed)  # the same initial model on every rank
-    model = SimCLR(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim)
+    model = SimCLR(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim,
+                   args.stem_padding)
     net = common.distribute(model.to(ctx.device), ctx)  # global BatchNorm + DDP; `model` stays bare
     net = torch.compile(net) if args.compile else net
     peak_lr = args.lr * args.batch_size / 256

@@ -65,10 +65,11 @@ def parse_args(argv=None):
 class Encoder(nn.Module):
     """f = backbone (ResNet) + projector: image -> projection z (B, proj_dim)."""
 
-    def __init__(self, arch, width, image_size, proj_hidden=2048, proj_dim=2048, proj_layers=2):
+    def __init__(self, arch, width, image_size, proj_hidden=2048, proj_dim=2048, proj_layers=2,
+                 stem_padding=1):
         super().__init__()
-        # each residual branch starts at zero, as the official SimSiam and GSG code
-        self.backbone = common.ResNet(arch, width, image_size, zero_init_residual=True)
+        self.backbone = common.ResNet(arch, width, image_size, stem_padding,
+                                      zero_init_residual=True)  # official SimSiam's and GSG's
         f = self.backbone.out_dim
         if proj_layers == 2:  # CIFAR-10 (GSG Sec. 5.1)
             self.projector = nn.Sequential(
@@ -89,9 +90,10 @@ class SiameseNet(nn.Module):
     """Online side: encoder f and predictor h. Crops x_1..x_V -> ([z_1..z_V], [p_1..p_V])."""
 
     def __init__(self, arch, width, image_size, proj_hidden=2048, proj_dim=2048, pred_hidden=512,
-                 predictor=True, proj_layers=2):
+                 predictor=True, proj_layers=2, stem_padding=1):
         super().__init__()
-        self.encoder = Encoder(arch, width, image_size, proj_hidden, proj_dim, proj_layers)
+        self.encoder = Encoder(arch, width, image_size, proj_hidden, proj_dim, proj_layers,
+                               stem_padding)
         self.predictor = nn.Sequential(
             nn.Linear(proj_dim, pred_hidden, bias=False), nn.BatchNorm1d(pred_hidden), nn.ReLU(),
             nn.Linear(pred_hidden, proj_dim)) if predictor else nn.Identity()  # Sec. 6.2: p = z
@@ -238,7 +240,8 @@ def main(argv=None):
     args.image_size = data.image_size
     torch.manual_seed(args.seed)  # the same initial model on every rank
     model = SiameseNet(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim,
-                       args.pred_hidden, not args.no_predictor, args.proj_layers).to(ctx.device)
+                       args.pred_hidden, not args.no_predictor, args.proj_layers,
+                       args.stem_padding).to(ctx.device)
     target = momentum_encoder(model.encoder, ctx) if args.method == "byol" else None  # BYOL only
     net = common.distribute(model, ctx)  # global BatchNorm + DDP; `model` stays bare
     net = torch.compile(net) if args.compile else net
