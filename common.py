@@ -277,7 +277,8 @@ class Augment:
             x = resized_crop_flip(x, *box, rand(b) < r.flip_p, self.size)
         if any(r.jitter):
             jitter = rand(b) < r.jitter_p  # drawn before the factors
-            factors = [1 - s + 2 * s * rand(b) for s in r.jitter[:3]]
+            # U(max(0, 1 - s), 1 + s): torchvision's ColorJitter clips the range at 0
+            factors = [max(0, 1 - s) + (1 + s - max(0, 1 - s)) * rand(b) for s in r.jitter[:3]]
             hue = r.jitter[3] * (2 * rand(b) - 1) if r.jitter[3] > 0 else None
             order = rand((b, 4)).argsort(1) if r.jitter_order == "random" else None  # (b, 4)
             x = torch.where(jitter.view(-1, 1, 1, 1), colour_jitter(x, *factors, hue, order), x)
