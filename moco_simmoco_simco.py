@@ -12,8 +12,8 @@ keys are the negatives), then its momentum encoder too (SimCo: one encoder, symm
     python moco_simmoco_simco.py --dataset imagefolder --data-dir D --image-size 32 \\
         --batch-size 32 --width 8 --epochs 2 --device cpu  # CPU smoke run
 
-(torchrun: --batch-size is the global batch, 256 split over the 8 GPUs; the last line is a CPU
-smoke run.) "official" below is github.com/ChaoningZhang/Dual-temperature, built on solo-learn.
+(torchrun: --batch-size is global.) "official": github.com/ChaoningZhang/Dual-temperature, which
+forks solo-learn (its solo/ paths below); "issue 28": the line numbers that audit gives.
 """
 import argparse
 import copy
@@ -231,9 +231,9 @@ def train_step(net, optimizer, views, args, ctx, key_encoder=None, queues=None):
 def recipes(args):
     """MoCo v2's CIFAR augmentation: crop, colour jitter, grayscale, flip; never blur.
 
-    The DT paper ("Training") lists crop, jitter, flip and grayscale only, and the official scripts
-    set --gaussian_prob 0.0 0.0 (also on STL-10). Jitter strengths 0.4/0.4/0.4/0.1 are the scripts'
-    own, p = 0.8 / 0.2 / 0.5 those of solo/utils/pretrain_dataloader.py: common.Recipe's defaults.
+    The DT paper ("Training") lists jitter, flip and grayscale; the official scripts (CIFAR-100
+    only) set --gaussian_prob 0.0 0.0, kept here on STL-10 too (this project's). Jitter strengths
+    0.4/0.4/0.4/0.1: the scripts'; p 0.8 / 0.2 / 0.5: solo/utils/pretrain_dataloader.py (Recipe's).
     """
     return [common.Recipe(crop_scale=tuple(args.crop_scale), blur_p=0.0)] * 2  # both views
 
@@ -243,6 +243,8 @@ def main(argv=None):
     args = parse_args(argv)
     ctx = common.setup(args)  # this process's device; the process group under torchrun
     data = common.load_data(args, ctx)
+    if args.dataset == "cifar100":  # as the DT fork does (issue 28, item 6): CIFAR-10's mean, std
+        data.mean, data.std = common.STATS["cifar10"]
     args.image_size = data.image_size
     torch.manual_seed(args.seed)  # the same initial model on every rank
     model = Encoder(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim,

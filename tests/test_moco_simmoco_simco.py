@@ -430,6 +430,22 @@ def test_simmoco_symmetric_main_writes_run_folder(tiny_folder, tmp_path):
     check_mss_run_folder(tmp_path / "run", "simmoco")
 
 
+def test_cifar100_is_normalised_with_cifar10_statistics_as_the_authors_code(
+        tiny_folder, tmp_path, monkeypatch):
+    """The DT fork normalises CIFAR-100 with CIFAR-10's mean and std (issue 28, item 6): main()
+    hands those to the augmentation and the evaluation (the tiny folder stands in for CIFAR-100)."""
+    load, augment, seen = common.load_data, common.Augment, []
+
+    def as_cifar100(args, ctx, crops=2):
+        data = load(argparse.Namespace(**{**vars(args), "dataset": "imagefolder"}), ctx, crops)
+        data.mean, data.std = common.STATS["cifar100"]
+        return data
+    monkeypatch.setattr(common, "load_data", as_cifar100)
+    monkeypatch.setattr(common, "Augment", lambda *a: seen.append(a[2:4]) or augment(*a))
+    mss.main(smoke_args(tiny_folder, tmp_path / "run", "--dataset", "cifar100", "--epochs", "0"))
+    assert seen == [common.STATS["cifar10"]]
+
+
 def test_script_runs_as_python(tiny_folder, tmp_path):
     args = smoke_args(tiny_folder, tmp_path / "run", "--method", "simco")
     done = run_script("moco_simmoco_simco.py", args)
