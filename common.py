@@ -496,7 +496,7 @@ def linear_classifier(dim, classes, device, seed, std=None):
 LINEAR_PROTOCOLS = {
     "fixed": dict(optimizer="adamw", lr=1e-3, epochs=100, batch=256),  # this project's own probe
     # GSG Sec. 5.1 "Linear evaluation" (CIFAR-10): batch 256, SGD momentum 0.9, lr 30, cosine, 90
-    # epochs; crop+flip views and no weight decay as its code base's main_lincls.py (below)
+    # epochs; its crop+flip views, no weight decay: this project's assumption (no source gives them)
     "gsg-cifar": dict(optimizer="sgd", lr=30.0, epochs=90, batch=256, schedule="cosine"),
     # facebookresearch/moco main_lincls.py: --lr 30, -b 256, --epochs 100, --schedule 60 80, wd 0
     "moco": dict(optimizer="sgd", lr=30.0, epochs=100, batch=256, schedule="steps"),
@@ -642,7 +642,7 @@ class OnlineProbe:
 
     @torch.no_grad()
     def accuracy(self, data, ctx, workers=0):
-        """Top-1 % on the un-augmented test split, the backbone in eval mode (solo-learn's)."""
+        """Top-1 % on the un-augmented test split, the backbone in eval mode (the DT fork's)."""
         f, y = extract_features(self.backbone, data.eval_test, data, ctx, workers, unit=False)
         return top1(lambda x: self.classifier(float32(x)), f, y)
 
@@ -745,7 +745,7 @@ class LARS(torch.optim.Optimizer):
 def optimizer_groups(groups, lars):
     """Parameters (or param-group dicts) -> param groups. For LARS, each group's batch-norm and bias
     parameters (the 1-D tensors) go into a group of their own without weight decay or trust ratio,
-    as SimCLR (tf2/model.py lines 36-41: exclude_from_weight_decay=['batch_normalization', 'bias'],
+    as SimCLR (tf2/model.py lines 40-42: exclude_from_weight_decay=['batch_normalization', 'bias'],
     also for the adaptation) and solo-learn (lars.py line 140, exclude_bias_n_norm) do."""
     groups = list(groups)
     groups = groups if isinstance(groups[0], dict) else [{"params": groups}]
@@ -842,8 +842,7 @@ def add_common_args(parser):
     a("--limit-train", type=positive_int, help="use only N training images: the first N "
       "(imagefolder: N spread over its class folders)")
     a("--arch", choices=["resnet18", "resnet34", "resnet50"], default="resnet18", help="backbone")
-    # 1: this project's choice where no CIFAR stem of the authors' is cited (issue 28 gives no
-    # line for SimCLR's; GSG's repository has no CIFAR code); DT and NNCLR set 2, as their code
+    # 1: ours where no authors' CIFAR stem is cited (SimCLR's, GSG's); DT and NNCLR: 2, as theirs
     a("--stem-padding", type=non_negative_int, default=1, help="padding of the 3x3 stem (<= 64 px)")
     a("--width", type=positive_int, default=64, help="base channel count (64 = standard ResNet)")
     a("--epochs", type=non_negative_int, help="pre-training epochs (0: evaluate the untrained net)")
@@ -864,11 +863,11 @@ def add_common_args(parser):
     a("--knn-k", type=positive_int, default=200, help="neighbours of the kNN monitor")
     a("--knn-t", type=positive_float, default=0.1, help="temperature of the weighted kNN vote")
     a("--online-probe", action=argparse.BooleanOptionalAction, default=False, help="the DT "
-      "authors' online linear classifier (solo-learn's) on the training views' features")
+      "authors' online linear classifiers on the training views' features (and momentum encoder's)")
     a("--linear-protocol", choices=list(LINEAR_PROTOCOLS), default="fixed", help="the final "
-      "probe on the frozen backbone: fixed = this project's, AdamW on fixed features; the "
-      "authors' on crop+flip views: gsg-cifar (GSG Sec. 5.1), moco and simsiam-imagenet (their "
-      "main_lincls.py); settings: common.LINEAR_PROTOCOLS")
+      "probe on the frozen backbone: fixed = this project's, AdamW on fixed features; on crop+flip "
+      "views: gsg-cifar (GSG Sec. 5.1; its views are this project's assumption), moco and "
+      "simsiam-imagenet (their main_lincls.py); settings: common.LINEAR_PROTOCOLS")
     a("--linear-epochs", type=non_negative_int, help="probe epochs (None: the protocol's; 0: none)")
     a("--linear-lr", type=positive_float, help="probe lr per 256 images (None: the protocol's)")
     a("--linear-batch", type=positive_int, help="probe batch (None: the protocol's)")

@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 SOURCES = {
     "DT README": "github.com/ChaoningZhang/Dual-temperature README.md, 'Results', lines 99-103 "
                  "(commit e8d5e76): the authors' runs of their bash_files/{moco,simmoco,simco}.sh, "
-                 "ResNet-18, CIFAR-100, 200 epochs; their code is solo-learn, whose accuracy is "
-                 "its online linear probe's (the README does not name the metric)",
+                 "ResNet-18, CIFAR-100, 200 epochs; their code, a solo-learn fork, trains an "
+                 "online linear probe on the encoder and (--momentum_classifier) one on the "
+                 "momentum encoder, and the README does not name which one its table reports: "
+                 "ours of both stand beside the number",
     "GSG Table 1": "Lee & Lee, NeurIPS 2023, Table 1 (shared/papers/guided_stop_gradient.txt "
-                   "lines 137-147): CIFAR-10, ResNet-18, 200 epochs, kNN k=1 and linear top-1 "
+                   "lines 137-145): CIFAR-10, ResNet-18, 200 epochs, kNN k=1 and linear top-1 "
                    "(Sec. 5.1), mean and standard deviation of 3 runs (line 169)",
     "lightly": "github.com/lightly-ai/lightly docs/source/getting_started/benchmarks.rst, "
                "'CIFAR-10', lines 155-179 (commit e8d317f): ResNet-18, 200 epochs, kNN k=200, "
@@ -26,14 +28,12 @@ SOURCES = {
     "DCL abstract": "Yeh et al., Decoupled Contrastive Learning, ECCV 2022 (arXiv 2110.06848), "
                     "abstract: SimCLR + DCL 68.2% ImageNet-1K top-1 at batch 256 in 200 epochs, "
                     "6.4 points over its SimCLR baseline",
-    "DCL 100 ep": "Yeh et al., ECCV 2022, ImageNet-1K at batch 256 in 100 epochs: DCL 64.6%, "
-                  "SimCLR 57.5% (as this project's README quotes them; our text copy of the "
-                  "paper, shared/papers/decoupled_contrastive_learning.txt, lacks the passage)",
 }
 
 # What each metric is; "knn_top1_best" is the best kNN over the epochs (metrics.jsonl), the others
 # come from the run's results.json.
 METRICS = {"online_top1": "online probe top-1", "linear_top1": "linear top-1",
+           "momentum_online_top1": "momentum-encoder online probe top-1",
            "knn_k1_top1": "kNN k=1 top-1", "knn_top1": "kNN top-1, last epoch",
            "knn_top1_best": "kNN top-1, best epoch (as lightly reports)"}
 
@@ -50,17 +50,21 @@ class Protocol:
 
 PROTOCOLS = {
     # the DT paper's "Evaluation" paragraph: top-1 of the online linear evaluation, which their
-    # solo-learn code trains (common.OnlineProbe); moco_simmoco_simco.py has it on by default
-    "dt": Protocol(["--online-probe"], {"online_top1": "online_top1"}, True,
-                   "solo-learn's online linear probe (the authors' code), its test top-1 after the "
-                   "last epoch"),
+    # solo-learn fork trains on the encoder and, with a momentum encoder, on it too
+    # (common.online_probes); moco_simmoco_simco.py has them on by default
+    "dt": Protocol(["--online-probe"], {"online_top1": "online_top1",
+                                        "momentum_online_top1": "momentum_online_top1"}, True,
+                   "the authors' online linear probes (their solo-learn fork's), on the encoder "
+                   "and on the momentum encoder (MoCo v2, SimMoCo), test top-1 after the last "
+                   "epoch; their README does not say which its numbers are, so both face them"),
     # --linear-protocol gsg-cifar is GSG's CIFAR probe (GSG Sec. 5.1: SGD m 0.9, lr 30,
-    # batch 256, cosine, 90 epochs; guided_stop_gradient.txt line 167); kNN k=1 (line 165; a
-    # majority vote, which our weighted vote equals at k=1)
+    # batch 256, cosine, 90 epochs; guided_stop_gradient.txt line 167), its crop+flip views this
+    # project's assumption (no source gives them); kNN k=1 (line 165; a majority vote, which our
+    # weighted vote equals at k=1)
     "gsg": Protocol(["--linear-protocol", "gsg-cifar"],
                     {"knn_k1_top1": "knn_k1_top1", "linear_top1": "linear_top1"}, True,
-                    "kNN k=1 and GSG's CIFAR linear probe (SGD lr 30, 90 epochs, cosine, "
-                    "crop+flip views)"),
+                    "kNN k=1 and GSG's CIFAR linear probe (SGD lr 30, 90 epochs, cosine: GSG Sec. "
+                    "5.1; its crop+flip views are this project's assumption, not the paper's)"),
     # lightly's kNN: k=200, T=0.1 (cifar10_benchmark.py lines 105-106), our monitor's defaults,
     # every epoch on the test set; no linear probe
     "dcl": Protocol(["--eval-every", "1", "--linear-epochs", "0"],
@@ -88,6 +92,7 @@ class Row:
     script: str
     options: list  # the options that make the row (its batch among them)
     published: dict = field(default_factory=dict)  # metric -> Published
+    metrics: tuple = None  # the protocol's metrics this row's script gives (None: all)
 
 
 @dataclass
@@ -103,9 +108,13 @@ def dt_rows():
     published = {"mocov2": (52.58, 54.40, 53.28, 51.47, 48.90),
                  "simmoco": (54.02, 54.93, 54.11, 52.45, 49.70),
                  "simco": (58.04, 58.29, 58.35, 57.08, 55.34)}  # DT README lines 101-103
+    # one number, two probes it may be (the README names neither); SimCo has no momentum encoder
+    metrics = {"mocov2": ("online_top1", "momentum_online_top1"),
+               "simmoco": ("online_top1", "momentum_online_top1"), "simco": ("online_top1",)}
     return {f"{method}-b{batch}": Row("moco_simmoco_simco.py",
                                       ["--method", method, "--batch-size", str(batch)],
-                                      {"online_top1": Published(value, "DT README")})
+                                      {m: Published(value, "DT README") for m in metrics[method]},
+                                      metrics[method])
             for method, values in published.items()
             for batch, value in zip((64, 128, 256, 512, 1024), values)}
 
@@ -141,13 +150,11 @@ def dcl_rows():
 
 
 def dcl_imagenet_rows():
-    published = {("infonce", 100): (57.5, "DCL 100 ep"), ("dcl", 100): (64.6, "DCL 100 ep"),
-                 ("infonce", 200): (68.2 - 6.4, "DCL abstract"),  # "outperforming ... by 6.4%"
-                 ("dcl", 200): (68.2, "DCL abstract")}
-    return {f"simclr-{loss}-e{epochs}": Row(
-        "simclr_dcl.py", ["--loss", loss, "--batch-size", "256", "--epochs", str(epochs)],
-        {"linear_top1": Published(round(value, 1), source)})
-        for (loss, epochs), (value, source) in published.items()}
+    published = {"infonce": 68.2 - 6.4, "dcl": 68.2}  # DCL abstract: "outperforming ... by 6.4%"
+    return {f"simclr-{loss}-e200": Row(
+        "simclr_dcl.py", ["--loss", loss, "--batch-size", "256", "--epochs", "200"],
+        {"linear_top1": Published(round(value, 1), "DCL abstract")})
+        for loss, value in published.items()}
 
 
 PAPERS = {
@@ -176,7 +183,7 @@ PAPERS = {
                           "paper)", ["--dataset", "imagefolder", "--arch", "resnet50",
                                      "--image-size", "224"],
                           "ImageNet-1K (--data-dir: train/ and val/ class folders), ResNet-50, "
-                          "batch 256, 100 and 200 epochs, simclr_dcl.py's other defaults (the "
+                          "batch 256, 200 epochs, simclr_dcl.py's other defaults (the "
                           "paper's optimiser settings are not in our copy)",
                           dcl_imagenet_rows()),
 }
@@ -224,6 +231,8 @@ def table_rows(paper_name, runs, comparable, batch_divisor=1):
     for name, row in paper.rows.items():
         seeds = runs.get(name, [])
         for published_metric, ours_metric in protocol.reads.items():
+            if row.metrics is not None and published_metric not in row.metrics:
+                continue
             values = [metric(run["folder"], ours_metric) for run in seeds]
             mean, spread, n = mean_spread(values)
             published = row.published.get(published_metric)
