@@ -12,7 +12,7 @@ Part 1, what the methods build on (read it next to a method file):
   data order and batches        epoch_generators, train_batches
   evaluation                    extract_features, knn_accuracy, linear_probe (this project's fast
                                 probe) and linear_probe_augmented (the authors' LINEAR_PROTOCOLS),
-                                one loop: train_linear; OnlineProbe (solo-learn's), evaluate
+                                one loop: train_linear; OnlineProbe, online_probes, evaluate
   learning rate and optimisers  learning_rate, LARS, pretraining_optimizer
 Part 2, plumbing that changes nothing a method computes:
   errors                        UserError, run (one `error:` line; Ctrl-C: how to resume)
@@ -191,15 +191,18 @@ class ResNet(nn.Module):
     """ResNet-18/34/50 backbone: image (B, 3, S, S) -> features (B, out_dim), no classifier.
     Written out so that `width` (--width) can shrink every layer; blocks and names are torchvision's
     (at width 64 the weights load into its resnet, fc dropped). Up to 64 px the CIFAR stem (3x3
-    stride-1 conv, no max-pool): the ImageNet one would shrink 32 px to 8 before layer1."""
+    stride-1 conv, no max-pool): the ImageNet one would shrink 32 px to 8 before layer1. Its
+    `stem_padding` 1 keeps 32 x 32 maps; the DT and solo-learn code's 2 makes them 34 x 34."""
     LAYERS = {"resnet18": (BasicBlock, [2, 2, 2, 2]), "resnet34": (BasicBlock, [3, 4, 6, 3]),
               "resnet50": (Bottleneck, [3, 4, 6, 3])}
 
-    def __init__(self, arch="resnet18", width=64, image_size=32, zero_init_residual=False):
+    def __init__(self, arch="resnet18", width=64, image_size=32, stem_padding=1,
+                 zero_init_residual=False):
         super().__init__()
         block, blocks = self.LAYERS[arch]
         small = image_size <= 64
-        self.conv1 = nn.Conv2d(3, width, *((3, 1, 1) if small else (7, 2, 3)), bias=False)
+        stem = (3, 1, stem_padding) if small else (7, 2, 3)  # kernel, stride, padding
+        self.conv1 = nn.Conv2d(3, width, *stem, bias=False)
         self.bn1 = nn.BatchNorm2d(width)
         self.maxpool = nn.Identity() if small else nn.MaxPool2d(3, 2, 1)
         c_in = width
@@ -274,7 +277,8 @@ class Augment:
             x = resized_crop_flip(x, *box, rand(b) < r.flip_p, self.size)
         if any(r.jitter):
             jitter = rand(b) < r.jitter_p  # drawn before the factors
-            factors = [1 - s + 2 * s * rand(b) for s in r.jitter[:3]]
+            # U(max(0, 1 - s), 1 + s): torchvision's ColorJitter clips the range at 0
+            factors = [max(0, 1 - s) + (1 + s - max(0, 1 - s)) * rand(b) for s in r.jitter[:3]]
             hue = r.jitter[3] * (2 * rand(b) - 1) if r.jitter[3] > 0 else None
             order = rand((b, 4)).argsort(1) if r.jitter_order == "random" else None  # (b, 4)
             x = torch.where(jitter.view(-1, 1, 1, 1), colour_jitter(x, *factors, hue, order), x)
@@ -493,7 +497,7 @@ def linear_classifier(dim, classes, device, seed, std=None):
 LINEAR_PROTOCOLS = {
     "fixed": dict(optimizer="adamw", lr=1e-3, epochs=100, batch=256),  # this project's own probe
     # GSG Sec. 5.1 "Linear evaluation" (CIFAR-10): batch 256, SGD momentum 0.9, lr 30, cosine, 90
-    # epochs; crop+flip views and no weight decay as its code base's main_lincls.py (below)
+    # epochs; its crop+flip views, no weight decay: this project's assumption (no source gives them)
     "gsg-cifar": dict(optimizer="sgd", lr=30.0, epochs=90, batch=256, schedule="cosine"),
     # facebookresearch/moco main_lincls.py: --lr 30, -b 256, --epochs 100, --schedule 60 80, wd 0
     "moco": dict(optimizer="sgd", lr=30.0, epochs=100, batch=256, schedule="steps"),
@@ -602,23 +606,24 @@ def linear_probe_augmented(backbone, data, ctx, protocol="gsg-cifar", epochs=Non
 
 
 class OnlineProbe:
-    """solo-learn's online linear classifier, as the dual-temperature authors' code trains it
-    (ChaoningZhang/Dual-temperature solo/methods/base.py lines 246, 335-343, 424-447): nn.Linear on
-    the detached backbone features of each training view, cross-entropy without the unlabelled
-    (-1), SGD momentum 0.9 (solo/args/utils.py line 204), lr 0.3 whatever the batch (bash_files/
-    *.sh --classifier_lr; utils.py line 212 scales only --lr), no weight decay, the pre-training's
-    warm-up and cosine. A forward hook on the backbone keeps the outputs of the training passes
-    (train mode, gradient on), so the step computes what it computes without the probe, and no
-    second backbone pass runs. Its gradient is the mean over the global batch's labelled views."""
+    """The online linear classifier of the DT authors' solo-learn fork (ChaoningZhang/Dual-
+    temperature solo/methods/base.py lines 246, 335-343, 424-447; today's solo-learn scales its
+    lr by the batch): nn.Linear on the detached backbone features of each training view,
+    cross-entropy without the unlabelled (-1), SGD momentum 0.9 (solo/args/utils.py line 204),
+    lr 0.3 whatever the batch (bash_files/*.sh --classifier_lr; utils.py line 212 scales only
+    --lr), no weight decay, the pre-training's warm-up and cosine. A forward hook keeps the
+    backbone's outputs in train mode (every view's: base.py lines 475, 482), so the step computes
+    what it computes without the probe, and no second backbone pass runs. Its gradient is the mean
+    over the global batch's labelled views; its result is `name`."""
 
-    def __init__(self, backbone, num_classes, ctx, seed, lr=0.3):
-        self.lr, self.features = lr, []
+    def __init__(self, backbone, num_classes, ctx, seed, name="online_top1", lr=0.3):
+        self.backbone, self.name, self.lr, self.features = backbone, name, lr, []
         self.classifier = linear_classifier(backbone.out_dim, num_classes, ctx.device, seed)
         self.optimizer = torch.optim.SGD(self.classifier.parameters(), lr=lr, momentum=0.9)
         backbone.register_forward_hook(self.keep)
 
     def keep(self, backbone, inputs, output):
-        if backbone.training and torch.is_grad_enabled():  # not evaluation's, nor a target's
+        if backbone.training:  # not evaluation's
             self.features.append(output.detach())
 
     def step(self, labels, lr_scale):
@@ -637,10 +642,10 @@ class OnlineProbe:
         self.optimizer.step()
 
     @torch.no_grad()
-    def accuracy(self, backbone, data, ctx, workers=0):
-        """Top-1 % on the un-augmented test split, the backbone in eval mode (solo-learn's)."""
-        test_f, test_y = extract_features(backbone, data.eval_test, data, ctx, workers, unit=False)
-        return top1(lambda f: self.classifier(float32(f)), test_f, test_y)
+    def accuracy(self, data, ctx, workers=0):
+        """Top-1 % on the un-augmented test split, the backbone in eval mode (the DT fork's)."""
+        f, y = extract_features(self.backbone, data.eval_test, data, ctx, workers, unit=False)
+        return top1(lambda x: self.classifier(float32(x)), f, y)
 
     def state_dict(self):  # for checkpoint.pt
         return {"classifier": self.classifier.state_dict(),
@@ -651,16 +656,28 @@ class OnlineProbe:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-def evaluate(backbone, data, ctx, args, final=False, probe=None):
-    """kNN top-1 (k = --knn-k) and the online `probe`'s top-1; with `final` also k=1 and the
-    final linear probe (--linear-protocol, 0 --linear-epochs: none)."""
+def online_probes(args, data, ctx, backbone, momentum_encoder=None):
+    """--online-probe's OnlineProbes by checkpoint name ({} without it): on `backbone`, and on a
+    momentum encoder's as the DT scripts' --momentum_classifier (base.py lines 631-635, 768-782)."""
+    if not args.online_probe:
+        return {}
+    probes = {"online_probe": OnlineProbe(backbone, data.num_classes, ctx, args.seed)}
+    if momentum_encoder is not None:
+        probes["momentum_probe"] = OnlineProbe(momentum_encoder.backbone, data.num_classes, ctx,
+                                               args.seed, "momentum_online_top1")
+    return probes
+
+
+def evaluate(backbone, data, ctx, args, final=False, probes=None):
+    """kNN top-1 (k = --knn-k) and each online probe's top-1 (`probes`: online_probes'); with
+    `final` also k=1 and the final linear probe (--linear-protocol, 0 --linear-epochs: none)."""
     train_f, train_y = extract_features(backbone, data.eval_train, data, ctx, args.workers)
     test_f, test_y = extract_features(backbone, data.eval_test, data, ctx, args.workers)
     knn = lambda k: knn_accuracy(train_f, train_y, test_f, test_y, data.num_classes, k,  # noqa
                                  args.knn_t)
     result = {"knn_top1": knn(args.knn_k)}
-    if probe is not None:
-        result["online_top1"] = probe.accuracy(backbone, data, ctx, args.workers)
+    for probe in (probes or {}).values():
+        result[probe.name] = probe.accuracy(data, ctx, args.workers)
     if final:
         result.update(knn_k=args.knn_k, knn_k1_top1=knn(1), epochs=args.epochs)
         protocol = args.linear_protocol
@@ -729,7 +746,7 @@ class LARS(torch.optim.Optimizer):
 def optimizer_groups(groups, lars):
     """Parameters (or param-group dicts) -> param groups. For LARS, each group's batch-norm and bias
     parameters (the 1-D tensors) go into a group of their own without weight decay or trust ratio,
-    as SimCLR (tf2/model.py lines 36-41: exclude_from_weight_decay=['batch_normalization', 'bias'],
+    as SimCLR (tf2/model.py lines 40-42: exclude_from_weight_decay=['batch_normalization', 'bias'],
     also for the adaptation) and solo-learn (lars.py line 140, exclude_bias_n_norm) do."""
     groups = list(groups)
     groups = groups if isinstance(groups[0], dict) else [{"params": groups}]
@@ -826,6 +843,8 @@ def add_common_args(parser):
     a("--limit-train", type=positive_int, help="use only N training images: the first N "
       "(imagefolder: N spread over its class folders)")
     a("--arch", choices=["resnet18", "resnet34", "resnet50"], default="resnet18", help="backbone")
+    # 1: ours where no authors' CIFAR stem is cited (SimCLR's, GSG's); DT and NNCLR: 2, as theirs
+    a("--stem-padding", type=non_negative_int, default=1, help="padding of the 3x3 stem (<= 64 px)")
     a("--width", type=positive_int, default=64, help="base channel count (64 = standard ResNet)")
     a("--epochs", type=non_negative_int, help="pre-training epochs (0: evaluate the untrained net)")
     a("--batch-size", type=positive_int, help="global batch, split evenly across processes")
@@ -845,11 +864,11 @@ def add_common_args(parser):
     a("--knn-k", type=positive_int, default=200, help="neighbours of the kNN monitor")
     a("--knn-t", type=positive_float, default=0.1, help="temperature of the weighted kNN vote")
     a("--online-probe", action=argparse.BooleanOptionalAction, default=False, help="the DT "
-      "authors' online linear classifier (solo-learn's) on the training views' features")
+      "authors' online linear classifiers on the training views' features (and momentum encoder's)")
     a("--linear-protocol", choices=list(LINEAR_PROTOCOLS), default="fixed", help="the final "
-      "probe on the frozen backbone: fixed = this project's, AdamW on fixed features; the "
-      "authors' on crop+flip views: gsg-cifar (GSG Sec. 5.1), moco and simsiam-imagenet (their "
-      "main_lincls.py); settings: common.LINEAR_PROTOCOLS")
+      "probe on the frozen backbone: fixed = this project's, AdamW on fixed features; on crop+flip "
+      "views: gsg-cifar (GSG Sec. 5.1; its views are this project's assumption), moco and "
+      "simsiam-imagenet (their main_lincls.py); settings: common.LINEAR_PROTOCOLS")
     a("--linear-epochs", type=non_negative_int, help="probe epochs (None: the protocol's; 0: none)")
     a("--linear-lr", type=positive_float, help="probe lr per 256 images (None: the protocol's)")
     a("--linear-batch", type=positive_int, help="probe batch (None: the protocol's)")

@@ -12,8 +12,8 @@ keys are the negatives), then its momentum encoder too (SimCo: one encoder, symm
     python moco_simmoco_simco.py --dataset imagefolder --data-dir D --image-size 32 \\
         --batch-size 32 --width 8 --epochs 2 --device cpu  # CPU smoke run
 
-(torchrun: --batch-size is the global batch, 256 split over the 8 GPUs; the last line is a CPU
-smoke run.) "official" below is github.com/ChaoningZhang/Dual-temperature, built on solo-learn.
+(torchrun: --batch-size is global.) "official": github.com/ChaoningZhang/Dual-temperature, which
+forks solo-learn (its solo/ paths below); "issue 28": the line numbers that audit gives.
 """
 import argparse
 import copy
@@ -56,9 +56,10 @@ def parse_args(argv=None):
     # --max_epochs 200, --lr 0.03 (per 256: solo/args/utils.py scales it by batch / 256),
     # --weight_decay 5e-4; 10 warm-up epochs: the paper and solo/methods/base.py --warmup_epochs;
     # crop area from 0.08: solo/args/dataset.py --min_scale default. The online probe: the DT
-    # paper's "Evaluation" paragraph reports "top-1 accuracy ... with the online linear evaluation"
+    # paper's "Evaluation" paragraph reports "top-1 accuracy ... with the online linear evaluation".
+    # The CIFAR stem's padding 2: official solo/methods/base.py lines 239-241 (issue 28 cites them)
     parser.set_defaults(batch_size=256, epochs=200, lr=0.03, wd=5e-4, warmup_epochs=10,
-                        crop_scale=(0.08, 1.0), online_probe=True)
+                        crop_scale=(0.08, 1.0), online_probe=True, stem_padding=2)
     args = common.parse_args(parser, argv, "moco_simmoco_simco")
     if args.tau_beta is None:  # MoCo v2 is plain InfoNCE unless --tau-beta asks for it
         args.tau_beta = args.tau_alpha if args.method == "mocov2" else 1.0
@@ -74,9 +75,9 @@ def parse_args(argv=None):
 class Encoder(nn.Module):
     """backbone f (ResNet) + MoCo v2's projector (Linear-ReLU-Linear, no BatchNorm) -> (B, D)."""
 
-    def __init__(self, arch, width, image_size, proj_hidden=128, proj_dim=128):
+    def __init__(self, arch, width, image_size, proj_hidden=128, proj_dim=128, stem_padding=1):
         super().__init__()
-        self.backbone = common.ResNet(arch, width, image_size)
+        self.backbone = common.ResNet(arch, width, image_size, stem_padding)
         self.projector = nn.Sequential(nn.Linear(self.backbone.out_dim, proj_hidden), nn.ReLU(),
                                        nn.Linear(proj_hidden, proj_dim))
 
@@ -182,12 +183,13 @@ def train_step(net, optimizer, views, args, ctx, key_encoder=None, queues=None):
 
     L(q, k, queue) is DT Eq. 9 (dual_temperature_loss); f is `net`, f_k the momentum encoder.
       mocov2 / simmoco: q1 = f(x1), k2 = f_k(x2) (no gradient), L(q1, k2, queue); --symmetric
-        (MoCo v2+ / SimMoCo+) adds q2 = f(x2), k1 = f_k(x1): (L(q1, k2) + L(q2, k1)) / 2. mocov2's
-        negatives are past keys, a queue per key view as official mocov2plus: q1 meets past k2's,
-        q2 past k1's; simmoco's are the batch's other keys (queue None).
+        (MoCo v2+ / SimMoCo+) adds L(q2, k1), q2 = f(x2), k1 = f_k(x1): (L(q1, k2) + L(q2, k1)) / 2.
+        mocov2's negatives are past keys, a queue per key view as official mocov2plus: q1 meets
+        past k2's, q2 past k1's; simmoco's are the batch's other keys (queue None).
       simco: z1 = f(x1), z2 = f(x2), (L(z1, z2) + L(z2, z1)) / 2, gradient through both.
-    Each view is its own forward pass (BatchNorm over its own batch), as solo-learn's per-crop
-    forward (solo/methods/base.py), which the official code runs on.
+    Each view is its own forward pass (BatchNorm over its own batch) through each encoder, in every
+    method, as the official code (solo/methods/base.py lines 475, 482, per issue 28): without
+    --symmetric, q2 and k1 feed only BatchNorm's statistics and the online probes.
     """
     def L(q, k, queue=None):  # -> (loss, (W(tau_alpha), W(tau_beta)) per anchor)
         return dual_temperature_loss(q, k, args.tau_alpha, args.tau_beta, queue)
@@ -202,10 +204,10 @@ def train_step(net, optimizer, views, args, ctx, key_encoder=None, queues=None):
     else:
         with ctx.autocast():
             q1 = net(x1)  # (b, D)
-            q2 = net(x2) if args.symmetric else None
+            with torch.set_grad_enabled(args.symmetric):  # else no loss takes q2: no graph
+                q2 = net(x2)  # (b, D)
             with torch.no_grad():
-                k2 = key_encoder(x2)  # (b, D) q1's positive
-                k1 = key_encoder(x1) if args.symmetric else None  # q2's
+                k1, k2 = key_encoder(x1), key_encoder(x2)  # (b, D) each: q2's and q1's positives
         q1, k2 = common.float32(q1), F.normalize(common.float32(k2), dim=1)  # keys: unit, as queued
         loss, (w_alpha, w_beta) = L(q1, k2, queues[0].rows if queues is not None else None)
         if args.symmetric:
@@ -229,9 +231,9 @@ def train_step(net, optimizer, views, args, ctx, key_encoder=None, queues=None):
 def recipes(args):
     """MoCo v2's CIFAR augmentation: crop, colour jitter, grayscale, flip; never blur.
 
-    The DT paper ("Training") lists crop, jitter, flip and grayscale only, and the official scripts
-    set --gaussian_prob 0.0 0.0 (also on STL-10). Jitter strengths 0.4/0.4/0.4/0.1 are the scripts'
-    own, p = 0.8 / 0.2 / 0.5 those of solo/utils/pretrain_dataloader.py: common.Recipe's defaults.
+    The DT paper ("Training") lists jitter, flip and grayscale; the official scripts (CIFAR-100
+    only) set --gaussian_prob 0.0 0.0, kept here on STL-10 too (this project's). Jitter strengths
+    0.4/0.4/0.4/0.1: the scripts'; p 0.8 / 0.2 / 0.5: solo/utils/pretrain_dataloader.py (Recipe's).
     """
     return [common.Recipe(crop_scale=tuple(args.crop_scale), blur_p=0.0)] * 2  # both views
 
@@ -241,10 +243,12 @@ def main(argv=None):
     args = parse_args(argv)
     ctx = common.setup(args)  # this process's device; the process group under torchrun
     data = common.load_data(args, ctx)
+    if args.dataset == "cifar100":  # as the DT fork does (issue 28, item 6): CIFAR-10's mean, std
+        data.mean, data.std = common.STATS["cifar10"]
     args.image_size = data.image_size
     torch.manual_seed(args.seed)  # the same initial model on every rank
-    model = Encoder(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim)
-    model = model.to(ctx.device)
+    model = Encoder(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim,
+                    args.stem_padding).to(ctx.device)
     key_encoder = momentum_encoder(model, ctx) if args.method != "simco" else None  # no shuffle-BN
     queues = None
     if args.method == "mocov2":  # MoCo v2+ keeps one queue per key view, as official mocov2plus
@@ -254,10 +258,9 @@ def main(argv=None):
     net = torch.compile(net) if args.compile else net
     peak_lr = args.lr * args.batch_size / 256
     optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, peak_lr)
-    probe = common.OnlineProbe(model.backbone, data.num_classes, ctx, args.seed) \
-        if args.online_probe else None  # reads the backbone's training passes
+    probes = common.online_probes(args, data, ctx, model.backbone, key_encoder)
     states = {"model": model, "optimizer": optimizer, "key_encoder": key_encoder, "queues": queues,
-              "online_probe": probe}
+              **probes}
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
     common.start_run(args, ctx, "moco_simmoco_simco")
     augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
@@ -276,20 +279,20 @@ def main(argv=None):
             views = augment(images, generator)
             loss, (w_alpha, w_beta, entropy) = train_step(net, optimizer, views, args, ctx,
                                                           key_encoder, queues)
-            if probe is not None:  # the views' features this step kept
+            for probe in probes.values():  # the views' features this step kept
                 probe.step(labels, lr / peak_lr)
             # DT Fig. 3 / Eq. 4: the anchors' weights and how unequal they are
             meter.update(lr, loss=loss, w_alpha=w_alpha, w_beta=w_beta, r_plus_entropy=entropy)
         record = meter.summary()
         common.check_finite(record)
         if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
-            record.update(common.evaluate(model.backbone, data, ctx, args, probe=probe))
+            record.update(common.evaluate(model.backbone, data, ctx, args, probes=probes))
         common.log_epoch(ctx, record)
         common.save_checkpoint(ctx, epoch + 1, states)
         if args.stop_after == epoch + 1 < args.epochs:
             return ctx.print(f"stopped after epoch {epoch + 1}: continue with --resume {ctx.out}")
 
-    results = common.evaluate(model.backbone, data, ctx, args, final=True, probe=probe)
+    results = common.evaluate(model.backbone, data, ctx, args, final=True, probes=probes)
     common.finish(ctx, model.backbone, results)
 
 

@@ -48,9 +48,11 @@ def parse_args(argv=None):
     # batch 256 (line 32); LARS (31), eta 0.02, clip_lr, bias and norms excluded (36-39); lr 0.4
     # (33) per 256 (solo/args/pretrain.py lines 153-154 scale it by batch / 256); weight decay 1e-5
     # (35); warmup_cosine (41), 10 warm-up epochs per step (solo/methods/base.py lines 293-294);
-    # 1000 epochs (50). Crop scale (0.08, 1): augmentations/asymmetric.yaml lines 3-4.
+    # 1000 epochs (50). Crop scale (0.08, 1): augmentations/asymmetric.yaml lines 3-4. The CIFAR
+    # stem's padding 2: solo/methods/base.py lines 200-202 (at 9187ea3, as issue 28 cites them)
     parser.set_defaults(batch_size=256, epochs=1000, lr=0.4, wd=1e-5, warmup_epochs=10,
-                        crop_scale=(0.08, 1.0), optimizer="lars", lars_eta=0.02, lars_clip=True)
+                        crop_scale=(0.08, 1.0), optimizer="lars", lars_eta=0.02, lars_clip=True,
+                        stem_padding=2)
     return common.parse_args(parser, argv, "nnclr_dcl")
 
 
@@ -62,9 +64,10 @@ class NNCLR(nn.Module):
     normalised. z only feeds the support set and the nearest-neighbour lookup; the loss sees p.
     """
 
-    def __init__(self, arch, width, image_size, proj_hidden=2048, proj_dim=256, pred_hidden=4096):
+    def __init__(self, arch, width, image_size, proj_hidden=2048, proj_dim=256, pred_hidden=4096,
+                 stem_padding=1):
         super().__init__()
-        self.backbone = common.ResNet(arch, width, image_size)
+        self.backbone = common.ResNet(arch, width, image_size, stem_padding)
         self.projector = nn.Sequential(
             nn.Linear(self.backbone.out_dim, proj_hidden, bias=False),
             nn.BatchNorm1d(proj_hidden),
@@ -227,16 +230,14 @@ def main(argv=None):
                                f"batch {args.batch_size}; it must hold at least one batch")
     torch.manual_seed(args.seed)  # the same initial model on every rank
     model = NNCLR(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim,
-                  args.pred_hidden)
+                  args.pred_hidden, args.stem_padding)
     net = common.distribute(model.to(ctx.device), ctx)  # global BatchNorm + DDP; `model` stays bare
     net = torch.compile(net) if args.compile else net
     peak_lr = args.lr * args.batch_size / 256
     optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, peak_lr)
     support_set = SupportSet(args.support_size, args.proj_dim, args.seed).to(ctx.device)
-    probe = common.OnlineProbe(model.backbone, data.num_classes, ctx, args.seed) \
-        if args.online_probe else None  # reads the backbone's training passes
-    states = {"model": model, "optimizer": optimizer, "support_set": support_set,
-              "online_probe": probe}
+    probes = common.online_probes(args, data, ctx, model.backbone)
+    states = {"model": model, "optimizer": optimizer, "support_set": support_set, **probes}
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
     common.start_run(args, ctx, "nnclr_dcl")
     augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
@@ -255,7 +256,7 @@ def main(argv=None):
             views = augment(images, generator)
             loss, same_class, labelled = train_step(net, optimizer, views, args, ctx, labels,
                                                     support_set)
-            if probe is not None:  # the views' features this step kept
+            for probe in probes.values():  # the views' features this step kept
                 probe.step(labels, lr / peak_lr)
             meter.update(lr, loss=loss, same_class=same_class, labelled=labelled)
         record = meter.summary()
@@ -264,13 +265,13 @@ def main(argv=None):
         same_class, labelled = record.pop("same_class"), record.pop("labelled")
         record["nn_same_class"] = same_class / labelled if labelled > 0 else None
         if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
-            record.update(common.evaluate(model.backbone, data, ctx, args, probe=probe))
+            record.update(common.evaluate(model.backbone, data, ctx, args, probes=probes))
         common.log_epoch(ctx, record)
         common.save_checkpoint(ctx, epoch + 1, states)
         if args.stop_after == epoch + 1 < args.epochs:
             return ctx.print(f"stopped after epoch {epoch + 1}: continue with --resume {ctx.out}")
 
-    results = common.evaluate(model.backbone, data, ctx, args, final=True, probe=probe)
+    results = common.evaluate(model.backbone, data, ctx, args, final=True, probes=probes)
     common.finish(ctx, model.backbone, results)
 
 

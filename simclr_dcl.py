@@ -52,9 +52,9 @@ def parse_args(argv=None):
 class SimCLR(nn.Module):
     """backbone f (ResNet) + projector g: image -> projection (B, proj_dim), not yet normalised."""
 
-    def __init__(self, arch, width, image_size, proj_hidden=2048, proj_dim=128):
+    def __init__(self, arch, width, image_size, proj_hidden=2048, proj_dim=128, stem_padding=1):
         super().__init__()
-        self.backbone = common.ResNet(arch, width, image_size)
+        self.backbone = common.ResNet(arch, width, image_size, stem_padding)
         self.projector = nn.Sequential(
             nn.Linear(self.backbone.out_dim, proj_hidden, bias=False),
             nn.BatchNorm1d(proj_hidden),
@@ -160,14 +160,14 @@ def main(argv=None):
     data = common.load_data(args, ctx)
     args.image_size = data.image_size
     torch.manual_seed(args.seed)  # the same initial model on every rank
-    model = SimCLR(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim)
+    model = SimCLR(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim,
+                   args.stem_padding)
     net = common.distribute(model.to(ctx.device), ctx)  # global BatchNorm + DDP; `model` stays bare
     net = torch.compile(net) if args.compile else net
     peak_lr = args.lr * args.batch_size / 256
     optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, peak_lr)
-    probe = common.OnlineProbe(model.backbone, data.num_classes, ctx, args.seed) \
-        if args.online_probe else None  # reads the backbone's training passes
-    states = {"model": model, "optimizer": optimizer, "online_probe": probe}  # checkpoint.pt
+    probes = common.online_probes(args, data, ctx, model.backbone)
+    states = {"model": model, "optimizer": optimizer, **probes}  # checkpoint.pt
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
     common.start_run(args, ctx, "simclr_dcl")
     augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
@@ -185,7 +185,7 @@ def main(argv=None):
                 group["lr"] = lr
             views = augment(images, generator)
             loss, q = train_step(net, optimizer, views, args, ctx)
-            if probe is not None:  # the views' features this step kept
+            for probe in probes.values():  # the views' features this step kept
                 probe.step(labels, lr / peak_lr)
             meter.update(lr, loss=loss, npc_mean=q.mean(), npc_sq=(q * q).mean())
         record = meter.summary()
@@ -194,13 +194,13 @@ def main(argv=None):
         npc_sq = record.pop("npc_sq")
         record["npc_cv"] = math.sqrt(max(npc_sq - record["npc_mean"] ** 2, 0)) / record["npc_mean"]
         if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
-            record.update(common.evaluate(model.backbone, data, ctx, args, probe=probe))
+            record.update(common.evaluate(model.backbone, data, ctx, args, probes=probes))
         common.log_epoch(ctx, record)
         common.save_checkpoint(ctx, epoch + 1, states)
         if args.stop_after == epoch + 1 < args.epochs:
             return ctx.print(f"stopped after epoch {epoch + 1}: continue with --resume {ctx.out}")
 
-    results = common.evaluate(model.backbone, data, ctx, args, final=True, probe=probe)
+    results = common.evaluate(model.backbone, data, ctx, args, final=True, probes=probes)
     common.finish(ctx, model.backbone, results)
 
 

@@ -42,8 +42,7 @@ def parse_args(argv=None):
       help="BYOL: constant tau, or BYOL's cosine increase of tau to 1.0")
     # constant: GSG Sec. 5.1 (CIFAR-10); cosine: GSG Sec. 5.1 (ImageNet)
     a("--schedule", choices=["constant", "cosine"], default="constant", help="lr schedule")
-    # 2 layers: GSG Sec. 5.1 (CIFAR-10); 3 layers: GSG Sec. 5.1 (ImageNet), facebookresearch/simsiam
-    # simsiam/builder.py (hidden width = the backbone's, last BatchNorm without affine)
+    # 2 layers: GSG Sec. 5.1 (CIFAR-10); 3: its ImageNet's, facebookresearch/simsiam builder.py
     a("--proj-layers", type=int, choices=[2, 3], default=2, help="projector depth")
     # this project's choice: the projection width (GSG Sec. 5.1 gives the depth only)
     a("--proj-hidden", type=common.positive_int, default=2048,
@@ -53,12 +52,12 @@ def parse_args(argv=None):
     a("--pred-hidden", type=common.positive_int, default=512, help="predictor bottleneck width")
     # off: bych-lee/gsg main_pretrain.py; its README's ImageNet command turns it on
     a("--fix-pred-lr", action="store_true", help="the predictor keeps the peak lr (no schedule)")
-    # kNN T 0.2, k 200: bych-lee/gsg main_knn.py:65-66 (ImageNet); moot at CIFAR-10's k=1 (GSG)
-    parser.set_defaults(knn_t=0.2)
     # GSG Sec. 5.1 (CIFAR-10): batch 512, 200 epochs, lr 0.06 at batch 512 (0.03 per 256), wd 5e-4;
-    # no warm-up: bych-lee/gsg main_pretrain.py has none; crop scale (0.2, 1): main_pretrain.py
+    # no warm-up: bych-lee/gsg main_pretrain.py has none; crop scale (0.2, 1): main_pretrain.py,
+    # its ImageNet script (the paper's CIFAR appendix is not in our copy); kNN T 0.2, k 200:
+    # main_knn.py lines 65-66 (ImageNet), moot at CIFAR-10's k=1 (GSG)
     parser.set_defaults(batch_size=512, epochs=200, lr=0.03, wd=5e-4, warmup_epochs=0,
-                        crop_scale=(0.2, 1.0))
+                        crop_scale=(0.2, 1.0), knn_t=0.2)
     return common.parse_args(parser, argv, "simsiam_byol_gsg")
 
 
@@ -66,10 +65,11 @@ def parse_args(argv=None):
 class Encoder(nn.Module):
     """f = backbone (ResNet) + projector: image -> projection z (B, proj_dim)."""
 
-    def __init__(self, arch, width, image_size, proj_hidden=2048, proj_dim=2048, proj_layers=2):
+    def __init__(self, arch, width, image_size, proj_hidden=2048, proj_dim=2048, proj_layers=2,
+                 stem_padding=1):
         super().__init__()
-        # each residual branch starts at zero, as the official SimSiam and GSG code
-        self.backbone = common.ResNet(arch, width, image_size, zero_init_residual=True)
+        self.backbone = common.ResNet(arch, width, image_size, stem_padding,
+                                      zero_init_residual=True)  # official SimSiam's and GSG's
         f = self.backbone.out_dim
         if proj_layers == 2:  # CIFAR-10 (GSG Sec. 5.1)
             self.projector = nn.Sequential(
@@ -90,9 +90,10 @@ class SiameseNet(nn.Module):
     """Online side: encoder f and predictor h. Crops x_1..x_V -> ([z_1..z_V], [p_1..p_V])."""
 
     def __init__(self, arch, width, image_size, proj_hidden=2048, proj_dim=2048, pred_hidden=512,
-                 predictor=True, proj_layers=2):
+                 predictor=True, proj_layers=2, stem_padding=1):
         super().__init__()
-        self.encoder = Encoder(arch, width, image_size, proj_hidden, proj_dim, proj_layers)
+        self.encoder = Encoder(arch, width, image_size, proj_hidden, proj_dim, proj_layers,
+                               stem_padding)
         self.predictor = nn.Sequential(
             nn.Linear(proj_dim, pred_hidden, bias=False), nn.BatchNorm1d(pred_hidden), nn.ReLU(),
             nn.Linear(pred_hidden, proj_dim)) if predictor else nn.Identity()  # Sec. 6.2: p = z
@@ -239,7 +240,8 @@ def main(argv=None):
     args.image_size = data.image_size
     torch.manual_seed(args.seed)  # the same initial model on every rank
     model = SiameseNet(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim,
-                       args.pred_hidden, not args.no_predictor, args.proj_layers).to(ctx.device)
+                       args.pred_hidden, not args.no_predictor, args.proj_layers,
+                       args.stem_padding).to(ctx.device)
     target = momentum_encoder(model.encoder, ctx) if args.method == "byol" else None  # BYOL only
     net = common.distribute(model, ctx)  # global BatchNorm + DDP; `model` stays bare
     net = torch.compile(net) if args.compile else net
@@ -248,9 +250,8 @@ def main(argv=None):
     groups = [{"params": model.encoder.parameters(), "fix_lr": False},
               {"params": model.predictor.parameters(), "fix_lr": args.fix_pred_lr}]
     optimizer = common.pretraining_optimizer(groups, args, ctx, peak_lr)
-    probe = common.OnlineProbe(model.encoder.backbone, data.num_classes, ctx, args.seed) \
-        if args.online_probe else None  # reads the backbone's training passes
-    states = {"model": model, "optimizer": optimizer, "target": target, "online_probe": probe}
+    probes = common.online_probes(args, data, ctx, model.encoder.backbone, target)
+    states = {"model": model, "optimizer": optimizer, "target": target, **probes}  # checkpoint.pt
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
     common.start_run(args, ctx, "simsiam_byol_gsg")
     augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
@@ -273,7 +274,7 @@ def main(argv=None):
             tau = ema_momentum(global_step, total_steps, args.ema, args.ema_schedule)
             loss, case, proj_std = train_step(net, optimizer, views, args, ctx, pairing=pairing,
                                               target=target, online=model.encoder, tau=tau)
-            if probe is not None:  # the views' features this step kept
+            for probe in probes.values():  # the views' features this step kept
                 probe.step(labels, lr / peak_lr)
             scalars = {"loss": loss, "proj_std": proj_std}
             if case is not None:  # how often each distance was the guide (Eq. 5)
@@ -285,15 +286,14 @@ def main(argv=None):
         if target is not None:
             record["ema"] = tau
         if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
-            record.update(common.evaluate(model.encoder.backbone, data, ctx, args, probe=probe))
+            record.update(common.evaluate(model.encoder.backbone, data, ctx, args, probes=probes))
         common.log_epoch(ctx, record)
         common.save_checkpoint(ctx, epoch + 1, states)
         if args.stop_after == epoch + 1 < args.epochs:
             return ctx.print(f"stopped after epoch {epoch + 1}: continue with --resume {ctx.out}")
 
-    backbone = model.encoder.backbone
-    results = common.evaluate(backbone, data, ctx, args, final=True, probe=probe)
-    common.finish(ctx, backbone, results)
+    results = common.evaluate(model.encoder.backbone, data, ctx, args, final=True, probes=probes)
+    common.finish(ctx, model.encoder.backbone, results)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@ r"""Run this project's method variants, or one paper's own comparison, and print
 Each run is a method script through its real command line, in its own folder under --out; the
 options not in --help go to every run. Plain: a row per variant, each script's variants after its
 untrained row (--epochs 0). --paper NAME: that paper's rows, settings and protocol (papers.py);
-ours over --seeds runs beside each published number and its source, and the difference unless an
-option changes the paper's settings: then every row is "not comparable".
+ours over --seeds runs beside each published number and its source, and the difference; where an
+option changes the paper's settings, each line says "not comparable" instead of a difference.
 
     python benchmarks/compare.py --dataset imagefolder --data-dir D --epochs 2 --width 8 \
         --device cpu --jobs 2                                       # CPU: 2 runs side by side
@@ -31,9 +31,8 @@ import papers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# name -> (script, the options that make the variant). Each script's variants follow its untrained
-# row, the same network evaluated before any step: the scripts' ResNets do not all start alike
-# (SimSiam/BYOL zero-initialise the residual branches, as SimSiam's builder does).
+# name -> (script, its options). Each script's variants follow its untrained row (--epochs 0): the
+# scripts' ResNets do not all start alike (SimSiam/BYOL zero the residual branches' last BN).
 VARIANTS = {"untrained-simclr_dcl": ("simclr_dcl.py", ["--epochs", "0"])}
 for loss in ("infonce", "dcl", "dclw"):
     VARIANTS[f"simclr-{loss}"] = ("simclr_dcl.py", ["--loss", loss])
@@ -228,13 +227,14 @@ def paper_table(args, todo):
         runs = [dict(numbers(j["folder"]), seed=j["seed"]) for j in todo if j["row"] == name]
         settings = " ".join(row.options)
         settings += f" (run at {batch(row, args)})" if args.batch_divisor > 1 else ""
-        for metric in protocol.metrics:
+        for metric in row.metrics or protocol.metrics:
             line = dict(row=name, settings=settings, **paper_line(row, metric, runs, comparable))
             ours = "not run" if not runs else "" if line["ours"] is None else (
                 f"{line['ours']:.2f}{cell(line['ours_spread'], ' ± {:.2f}')} (n={line['ours_n']})")
             theirs = cell(line["published"], "{:.2f}")
             theirs += cell(line["published_spread"], " ± {:.2f}")
-            diff = cell(line["diff"], "{:+.2f}") or ("not comparable" if theirs else "")
+            off = "not comparable" if theirs and not line["comparable"] else ""
+            diff = cell(line["diff"], "{:+.2f}") or off
             lines.append(line)
             cells.append([name, f"`{settings}`", metric, ours, theirs, line["source"] or "", diff,
                           line["error"] or ""])

@@ -8,10 +8,11 @@ from collections import namedtuple
 SOURCES = {
     "DT README": "github.com/ChaoningZhang/Dual-temperature README.md, 'Results', lines 99-103 "
                  "(commit e8d5e76): the authors' runs of their bash_files/{moco,simmoco,simco}.sh, "
-                 "ResNet-18, CIFAR-100, 200 epochs; their code is solo-learn, whose accuracy is "
-                 "its online linear probe's (the README does not name the metric)",
+                 "ResNet-18, CIFAR-100, 200 epochs; their solo-learn fork trains an online "
+                 "linear probe on the encoder and one on the momentum encoder; the README does "
+                 "not name which its table reports, so ours of both stand beside it",
     "GSG Table 1": "Lee & Lee, NeurIPS 2023, Table 1 (shared/papers/guided_stop_gradient.txt "
-                   "lines 137-147): CIFAR-10, ResNet-18, 200 epochs, kNN k=1 and linear top-1 "
+                   "lines 137-145): CIFAR-10, ResNet-18, 200 epochs, kNN k=1 and linear top-1 "
                    "(Sec. 5.1), mean and standard deviation of 3 runs (line 169)",
     "lightly": "github.com/lightly-ai/lightly docs/source/getting_started/benchmarks.rst, "
                "'CIFAR-10', lines 155-179 (commit e8d317f): ResNet-18, 200 epochs, kNN k=200, "
@@ -19,9 +20,6 @@ SOURCES = {
     "DCL abstract": "Yeh et al., Decoupled Contrastive Learning, ECCV 2022 (arXiv 2110.06848), "
                     "abstract: SimCLR + DCL 68.2% ImageNet-1K top-1 at batch 256 in 200 epochs, "
                     "6.4 points over its SimCLR baseline",
-    "DCL 100 ep": "Yeh et al., ECCV 2022, ImageNet-1K at batch 256 in 100 epochs: DCL 64.6%, "
-                  "SimCLR 57.5% (as this project's README quotes them; our text copy of the "
-                  "paper, shared/papers/decoupled_contrastive_learning.txt, lacks the passage)",
 }
 
 # How a paper's numbers were measured: the options that select it on every row's command line,
@@ -31,16 +29,18 @@ SOURCES = {
 Protocol = namedtuple("Protocol", "options metrics authors text")
 PROTOCOLS = {
     # the DT paper's "Evaluation" paragraph: top-1 of the online linear evaluation, which their
-    # solo-learn code trains (common.OnlineProbe); moco_simmoco_simco.py has it on by default
-    "dt": Protocol(["--online-probe"], ["online_top1"], True,
-                   "solo-learn's online linear probe (the authors' code), its test top-1 after the "
-                   "last epoch"),
+    # solo-learn fork trains on the encoder and on the momentum encoder (common.online_probes)
+    "dt": Protocol(["--online-probe"], ["online_top1", "momentum_online_top1"], True,
+                   "the DT authors' online linear probes (their solo-learn fork's), on the encoder "
+                   "and on the momentum encoder (MoCo v2, SimMoCo), test top-1 after the last "
+                   "epoch; their README does not say which its numbers are, so both face them"),
     # --linear-protocol gsg-cifar is GSG's CIFAR probe (GSG Sec. 5.1: SGD m 0.9, lr 30,
-    # batch 256, cosine, 90 epochs; guided_stop_gradient.txt line 167); kNN k=1 (line 165; a
-    # majority vote, which our weighted vote equals at k=1)
+    # batch 256, cosine, 90 epochs; guided_stop_gradient.txt line 167), its crop+flip views this
+    # project's assumption (no source gives them); kNN k=1 (line 165; a majority vote, which our
+    # weighted vote equals at k=1)
     "gsg": Protocol(["--linear-protocol", "gsg-cifar"], ["knn_k1_top1", "linear_top1"], True,
-                    "kNN k=1 and GSG's CIFAR linear probe (SGD lr 30, 90 epochs, cosine, "
-                    "crop+flip views)"),
+                    "kNN k=1 and GSG's CIFAR linear probe (SGD lr 30, 90 epochs, cosine: GSG Sec. "
+                    "5.1; its crop+flip views are this project's assumption, not the paper's)"),
     # lightly's kNN: k=200, T=0.1 (cifar10_benchmark.py lines 105-106), our monitor's defaults,
     # every epoch on the test set; no linear probe
     "dcl": Protocol(["--eval-every", "1", "--linear-epochs", "0"],
@@ -55,18 +55,20 @@ PROTOCOLS = {
 }
 
 # A published number: its value, its source (a SOURCES key), the source's standard deviation if
-# given. A row: its script, options (its batch among them), {metric: Published}. A paper: the
-# options every row gets, those settings in words, {name: Row}, the runs each number averages.
+# given. A row: its script, options (its batch among them), {metric: Published}, the metrics its
+# script reports (None: the protocol's). A paper: the options every row gets, those settings in
+# words, {name: Row}, the runs each number averages.
 Published = namedtuple("Published", "value source spread", defaults=[None])
-Row = namedtuple("Row", "script options published")
+Row = namedtuple("Row", "script options published metrics", defaults=[None])
 Paper = namedtuple("Paper", "title settings text rows seeds", defaults=[1])
 
 DT = {"mocov2": (52.58, 54.40, 53.28, 51.47, 48.90),
       "simmoco": (54.02, 54.93, 54.11, 52.45, 49.70),
       "simco": (58.04, 58.29, 58.35, 57.08, 55.34)}  # DT README lines 101-103
-DT_ROWS = {f"{method}-b{batch}": Row(
+PROBES = dict.fromkeys(("mocov2", "simmoco"), PROTOCOLS["dt"].metrics) | {"simco": ["online_top1"]}
+DT_ROWS = {f"{method}-b{batch}": Row(  # one number, each probe it may be (SimCo has one)
     "moco_simmoco_simco.py", ["--method", method, "--batch-size", str(batch)],
-    {"online_top1": Published(value, "DT README")})
+    {probe: Published(value, "DT README") for probe in PROBES[method]}, PROBES[method])
     for method, values in DT.items() for batch, value in zip((64, 128, 256, 512, 1024), values)}
 
 GSG = {("simsiam", "symmetric"): ((77.0, 0.67), (82.7, 0.26)),  # GSG Table 1,
@@ -90,13 +92,11 @@ DCL_ROWS = {f"simclr-{loss}-b{batch}": Row(
     {"knn_top1_best": Published(LIGHTLY[loss, batch], "lightly")} if (loss, batch) in LIGHTLY
     else {}) for loss, temperature in TEMPERATURES.items() for batch in (32, 64, 128, 256, 512)}
 
-DCL_IMAGENET = {("infonce", 100): (57.5, "DCL 100 ep"), ("dcl", 100): (64.6, "DCL 100 ep"),
-                ("infonce", 200): (68.2 - 6.4, "DCL abstract"),  # "outperforming ... by 6.4%"
-                ("dcl", 200): (68.2, "DCL abstract")}
-DCL_IMAGENET_ROWS = {f"simclr-{loss}-e{epochs}": Row(
-    "simclr_dcl.py", ["--loss", loss, "--batch-size", "256", "--epochs", str(epochs)],
-    {"linear_top1": Published(round(value, 1), source)})
-    for (loss, epochs), (value, source) in DCL_IMAGENET.items()}
+DCL_IMAGENET = {"infonce": 68.2 - 6.4, "dcl": 68.2}  # DCL abstract: "outperforming ... by 6.4%"
+DCL_IMAGENET_ROWS = {f"simclr-{loss}-e200": Row(
+    "simclr_dcl.py", ["--loss", loss, "--batch-size", "256", "--epochs", "200"],
+    {"linear_top1": Published(round(value, 1), "DCL abstract")})
+    for loss, value in DCL_IMAGENET.items()}
 
 PAPERS = {
     "dt": Paper("Dual temperature: MoCo v2 / SimMoCo / SimCo over the batch size (the authors' "
@@ -122,7 +122,7 @@ PAPERS = {
     "dcl-imagenet": Paper(
         "DCL: SimCLR vs SimCLR + DCL on ImageNet-1K at batch 256 (the DCL paper)",
         ["--dataset", "imagefolder", "--arch", "resnet50", "--image-size", "224"],
-        "ImageNet-1K (--data-dir: train/ and val/ class folders), ResNet-50, batch 256, 100 and "
-        "200 epochs, simclr_dcl.py's other defaults (the paper's optimiser settings are not in "
-        "our copy)", DCL_IMAGENET_ROWS),
+        "ImageNet-1K (--data-dir: train/ and val/ class folders), ResNet-50, batch 256, 200 "
+        "epochs, simclr_dcl.py's other defaults (the paper's optimiser settings are not in our "
+        "copy)", DCL_IMAGENET_ROWS),
 }

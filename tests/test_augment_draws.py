@@ -148,6 +148,18 @@ def test_saturation_factor_is_uniform_on_both_sides_of_one():
     assert_uniform_over(f, 0.6, 1.4)
 
 
+def test_jitter_factors_above_strength_one_are_clipped_at_zero_as_torchvision():
+    """Strength 1.5 draws f ~ U(max(0, 1 - 1.5), 1 + 1.5) = U(0, 2.5), as torchvision's
+    ColorJitter clips its range at 0 (issue 28): never negative. Read from contrast (two greys)
+    and brightness (a dark red channel, 2.5 times 60 still below 255)."""
+    image = colour(80, 80, 80, size=8)
+    image[:, 4:] = 120
+    v = views(only(jitter=(0, 1.5, 0, 0), jitter_p=1.0), image)
+    assert_uniform_over(((v[:, :, 0, 4, 0] - v[:, :, 0, 0, 0]) / (40 / 255)).flatten(), 0, 2.5)
+    v = views(only(jitter=(1.5, 0, 0, 0), jitter_p=1.0), LIGHT_BLUE)
+    assert_uniform_over((v[:, :, 0, 0, 0] / (60 / 255)).flatten(), 0, 2.5)
+
+
 def test_hue_shift_is_uniform_over_both_directions():
     """Hue 0.1 turns red (200, 40, 40) by t ~ U(-0.1, 0.1) of a turn: towards yellow (green
     rises) for t > 0, towards magenta (blue rises) for t < 0; 6 t = (G - B) / (R - min)."""

@@ -195,19 +195,19 @@ def test_online_probe_step_is_an_sgd_step_at_its_lr_times_the_given_scale(float6
     torch.testing.assert_close(probe.classifier.bias, expected[1], rtol=0, atol=1e-12)
 
 
-def test_only_training_passes_with_gradient_feed_the_online_probe(float64):
-    """A training-mode pass under no_grad (a target's, a diagnostic's) and an eval-mode pass
-    (evaluation's) feed the probe nothing: its step equals the hand step on the one training
-    pass with gradient."""
+def test_every_training_mode_pass_and_no_evaluation_pass_feeds_the_online_probe(float64):
+    """A training-mode pass feeds the probe, with gradient (an online encoder's) or without (a
+    momentum encoder's, or the second view of DT's MoCo v2 without --symmetric, issue 28); an
+    eval-mode pass (evaluation's) feeds it nothing: its step equals the hand step on the two."""
     torch.manual_seed(0)
     backbone = common.ResNet("resnet18", 4, 8).train()
     probe = common.OnlineProbe(backbone, 3, CPU, seed=0)
     labels = torch.tensor([0, 1, 2, 1])
     with torch.no_grad():
-        backbone(torch.randn(4, 3, 8, 8))
+        without_grad = backbone(torch.randn(4, 3, 8, 8))
     backbone.eval()(torch.randn(4, 3, 8, 8))
-    features = backbone.train()(torch.randn(4, 3, 8, 8)).detach()
-    expected = probe_step_by_hand(probe.classifier, features, labels, 0.3)
+    features = torch.cat([without_grad, backbone.train()(torch.randn(4, 3, 8, 8)).detach()])
+    expected = probe_step_by_hand(probe.classifier, features, labels.repeat(2), 0.3)
     probe.step(labels, 1.0)
     torch.testing.assert_close(probe.classifier.weight, expected[0], rtol=0, atol=1e-12)
     torch.testing.assert_close(probe.classifier.bias, expected[1], rtol=0, atol=1e-12)
@@ -225,4 +225,4 @@ def test_online_probe_accuracy_is_its_classifier_on_the_raw_features():
     with torch.no_grad():
         probe.classifier.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
         probe.classifier.bias.copy_(torch.tensor([0.0, 1.5]))
-    assert probe.accuracy(backbone, data, CPU) == 100.0
+    assert probe.accuracy(data, CPU) == 100.0

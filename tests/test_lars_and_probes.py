@@ -179,7 +179,8 @@ def test_every_probe_leaves_the_backbone_bit_identical(tiny_folder, tmp_path, st
                                                 *(["--stream"] if stream else [])))
         data = common.load_data(args, ctx_for(0, 1))
         before = {k: v.clone() for k, v in backbone.state_dict().items()}
-        result = common.evaluate(backbone, data, ctx_for(0, 1), args, final=True, probe=probe)
+        result = common.evaluate(backbone, data, ctx_for(0, 1), args, final=True,
+                                 probes={"online_probe": probe})
         assert result["linear_protocol"] == protocol and 0 <= result["online_top1"] <= 100
         assert backbone.training
         after = backbone.state_dict()
@@ -210,21 +211,23 @@ ONLINE = [(moco_simmoco_simco, ["--method", "mocov2", "--queue-size", "40"]),  #
 def test_the_online_probe_leaves_pre_training_bit_identical(tiny_folder, tmp_path, module, extra):
     """One epoch (4 steps) with and without --online-probe: every tensor of the model, optimizer,
     queue / momentum encoder / EMA target is bit-identical (no extra backbone pass in train mode,
-    no draw from the global RNG, no gradient into the backbone). With it, the probe is in
-    checkpoint.pt and online_top1 in the evaluation's metrics line and in results.json."""
+    no draw from the global RNG, no gradient into the backbone). With it, the probe and the
+    momentum encoder's (the DT scripts' --momentum_classifier, issue 28) are in checkpoint.pt,
+    online_top1 and momentum_online_top1 in the evaluation's metrics line and in results.json."""
     run = lambda name, flag: module.main(smoke_args(tiny_folder, tmp_path / name, flag, *extra,
                                                     "--linear-epochs", "0"))
     run("with", "--online-probe")
     run("without", "--no-online-probe")
     a, b = checkpoint(tmp_path / "with"), checkpoint(tmp_path / "without")
-    assert a.keys() - b.keys() == {"online_probe"}
+    assert a.keys() - b.keys() == {"online_probe", "momentum_probe"}
     a, b = flat_tensors(a), flat_tensors(b)
     assert len(b) > 50 and b.keys() <= a.keys()
     for key, value in b.items():
         assert torch.equal(a[key], value), key
     line = json.loads(open(tmp_path / "with" / "metrics.jsonl").readline())
     results = json.load(open(tmp_path / "with" / "results.json"))
-    assert 0 <= line["online_top1"] <= 100 and 0 <= results["online_top1"] <= 100
+    for key in ("online_top1", "momentum_online_top1"):
+        assert 0 <= line[key] <= 100 and 0 <= results[key] <= 100, key
     assert "online_top1" not in json.load(open(tmp_path / "without" / "results.json"))
 
 

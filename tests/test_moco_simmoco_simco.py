@@ -220,6 +220,19 @@ def step_views(step, global_batch=8, rank=0, world=1):
     return [v[rank * per_rank:(rank + 1) * per_rank] for v in views]
 
 
+@pytest.mark.parametrize("method", ["mocov2", "simmoco", "simco"])
+def test_both_views_pass_the_online_encoder_and_feed_the_online_probe_in_every_method(method):
+    """The DT authors' code passes every view through the online encoder and trains the online
+    classifier on each (official solo/methods/base.py lines 475 and 482, as issue 28 cites them):
+    one step of b images gives the probe 2 b rows and the online BatchNorm two batches, without
+    --symmetric too (the loss still takes q1 alone there)."""
+    ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
+    model, net, key_encoder, queues, optimizer, args = tiny_setup(method, False, ctx)
+    probe = common.OnlineProbe(model.backbone, 3, ctx, seed=0)
+    mss.train_step(net, optimizer, step_views(0), args, ctx, key_encoder, queues)
+    assert len(torch.cat(probe.features)) == 2 * 8
+    assert model.backbone.bn1.num_batches_tracked.item() == 2
+
 def test_momentum_encoder_is_ema_of_the_query_encoder_and_queue_gets_its_keys_without_gradient():
     """After a step: theta_k = m theta_k_old + (1 - m) theta_q (parameter by parameter); the queue's
     new rows are the normalised keys k = f_k(x2) of the step; the queue and key encoder get no
@@ -415,6 +428,22 @@ def test_simmoco_symmetric_main_writes_run_folder(tiny_folder, tmp_path):
     """SimMoCo+ (the variant no other run covers) in one process."""
     mss.main(smoke_args(tiny_folder, tmp_path / "run", "--method", "simmoco", "--symmetric"))
     check_mss_run_folder(tmp_path / "run", "simmoco")
+
+
+def test_cifar100_is_normalised_with_cifar10_statistics_as_the_authors_code(
+        tiny_folder, tmp_path, monkeypatch):
+    """The DT fork normalises CIFAR-100 with CIFAR-10's mean and std (issue 28, item 6): main()
+    hands those to the augmentation and the evaluation (the tiny folder stands in for CIFAR-100)."""
+    load, augment, seen = common.load_data, common.Augment, []
+
+    def as_cifar100(args, ctx, crops=2):
+        data = load(argparse.Namespace(**{**vars(args), "dataset": "imagefolder"}), ctx, crops)
+        data.mean, data.std = common.STATS["cifar100"]
+        return data
+    monkeypatch.setattr(common, "load_data", as_cifar100)
+    monkeypatch.setattr(common, "Augment", lambda *a: seen.append(a[2:4]) or augment(*a))
+    mss.main(smoke_args(tiny_folder, tmp_path / "run", "--dataset", "cifar100", "--epochs", "0"))
+    assert seen == [common.STATS["cifar10"]]
 
 
 def test_script_runs_as_python(tiny_folder, tmp_path):

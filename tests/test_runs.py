@@ -122,25 +122,29 @@ def test_a_finished_run_is_evaluated_again_beside_its_results(tiny_folder, tmp_p
 
 
 @pytest.mark.parametrize(
-    "arch, size", [("resnet18", 32), ("resnet18", 96), ("resnet50", 32), ("resnet50", 96)]
+    "arch, size, padding",
+    [("resnet18", 32, 1), ("resnet18", 32, 2), ("resnet18", 96, 1), ("resnet50", 32, 1),
+     ("resnet50", 96, 1)],
 )
-def test_backbone_pt_loads_into_torchvision(tmp_path, arch, size):
+def test_backbone_pt_loads_into_torchvision(tmp_path, arch, size, padding):
     """backbone.pt as finish() writes it loads with strict=True into torchvision's model (fc
-    dropped; the CIFAR stem for <= 64 px) and gives the same features in eval mode."""
+    dropped; the CIFAR stem for <= 64 px, its padding the run's --stem-padding, as README's
+    snippet says) and gives the same features in eval mode."""
     torch.manual_seed(0)
-    backbone = common.ResNet(arch, 64, size)
+    backbone = common.ResNet(arch, 64, size, padding)
     for m in backbone.modules():  # running statistics and affine terms that are not the identity
         if isinstance(m, nn.BatchNorm2d):
             m.running_mean.uniform_(-0.5, 0.5), m.running_var.uniform_(0.5, 2)
             m.weight.data.uniform_(0.5, 1.5), m.bias.data.uniform_(-0.2, 0.2)
     ctx = common.Context(0, 1, 0, torch.device("cpu"), str(tmp_path), False)
+    common.hold_run_folder(str(tmp_path))  # as start_run: finish lets the folder go
     common.finish(ctx, backbone, {"knn_top1": 0.0, "knn_k": 200, "knn_k1_top1": 0.0})
     weights = torch.load(tmp_path / "backbone.pt", weights_only=True)
     assert all(t.device.type == "cpu" for t in weights.values())
     reference = getattr(torchvision.models, arch)()
     reference.fc = nn.Identity()
     if size <= 64:
-        reference.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+        reference.conv1 = nn.Conv2d(3, 64, 3, 1, padding, bias=False)
         reference.maxpool = nn.Identity()
     reference.load_state_dict(weights, strict=True)
     x = torch.randn(4, 3, size, size)
@@ -148,6 +152,32 @@ def test_backbone_pt_loads_into_torchvision(tmp_path, arch, size):
         ours, theirs = backbone.eval()(x), reference.eval()(x)
     assert ours.shape == theirs.shape == (4, 2048 if arch == "resnet50" else 512)
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=0)
+
+
+# the CIFAR stem's padding in each authors' code, as issue 28 cites it: 2 in the DT fork's
+# solo/methods/base.py lines 239-241 and solo-learn's base.py lines 200-202; 1 for SimCLR and GSG
+STEM_PADDING = {"simclr_dcl": 1, "moco_simmoco_simco": 2, "simsiam_byol_gsg": 1, "nnclr_dcl": 2}
+
+
+@pytest.mark.parametrize("script", STEM_PADDING)
+def test_each_script_builds_its_authors_cifar_stem_and_records_its_padding(
+        tiny_folder, tmp_path, script, monkeypatch):
+    """The 3x3 stride-1 stem pads as the script's authors' code: padding p turns 32 x 32 images
+    into (30 + 2p) x (30 + 2p) maps (34 x 34 in DT and solo-learn); config.json records p."""
+    built = []
+
+    class Recorded(common.ResNet):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+    monkeypatch.setattr(common, "ResNet", Recorded)
+    module = importlib.import_module(script)
+    module.main(smoke_args(tiny_folder, tmp_path / "run", "--epochs", "0", "--linear-epochs", "0"))
+    padding = STEM_PADDING[script]
+    assert built and all(m.conv1.padding == (padding, padding) for m in built)
+    assert built[0].conv1(torch.zeros(1, 3, 32, 32)).shape[-2:] == (30 + 2 * padding,) * 2
+    with open(tmp_path / "run" / "config.json") as f:
+        assert json.load(f)["args"]["stem_padding"] == padding
 
 
 CPU_CTX = common.Context(0, 1, 0, torch.device("cpu"), "", False)
