@@ -13,7 +13,7 @@ keys are the negatives), then its momentum encoder too (SimCo: one encoder, symm
         --batch-size 32 --width 8 --epochs 2 --device cpu  # CPU smoke run
 
 (torchrun: --batch-size is global.) "official": github.com/ChaoningZhang/Dual-temperature, which
-forks solo-learn (its solo/ paths below); "issue 28": the line numbers that audit gives.
+forks solo-learn (its solo/ paths below).
 """
 import argparse
 import copy
@@ -57,7 +57,7 @@ def parse_args(argv=None):
     # --weight_decay 5e-4; 10 warm-up epochs: the paper and solo/methods/base.py --warmup_epochs;
     # crop area from 0.08: solo/args/dataset.py --min_scale default. The online probe: the DT
     # paper's "Evaluation" paragraph reports "top-1 accuracy ... with the online linear evaluation".
-    # The CIFAR stem's padding 2: official solo/methods/base.py lines 239-241 (issue 28 cites them)
+    # The CIFAR stem's padding 2: official solo/methods/base.py lines 239-241 (at e8d5e76)
     parser.set_defaults(batch_size=256, epochs=200, lr=0.03, wd=5e-4, warmup_epochs=10,
                         crop_scale=(0.08, 1.0), online_probe=True, stem_padding=2)
     args = common.parse_args(parser, argv, "moco_simmoco_simco")
@@ -188,7 +188,7 @@ def train_step(net, optimizer, views, args, ctx, key_encoder=None, queues=None):
         past k2's, q2 past k1's; simmoco's are the batch's other keys (queue None).
       simco: z1 = f(x1), z2 = f(x2), (L(z1, z2) + L(z2, z1)) / 2, gradient through both.
     Each view is its own forward pass (BatchNorm over its own batch) through each encoder, in every
-    method, as the official code (solo/methods/base.py lines 475, 482, per issue 28): without
+    method, as the official code (DT's solo/methods/base.py lines 475, 482): without
     --symmetric, q2 and k1 feed only BatchNorm's statistics and the online probes.
     """
     def L(q, k, queue=None):  # -> (loss, (W(tau_alpha), W(tau_beta)) per anchor)
@@ -243,7 +243,7 @@ def main(argv=None):
     args = parse_args(argv)
     ctx = common.setup(args)  # this process's device; the process group under torchrun
     data = common.load_data(args, ctx)
-    if args.dataset == "cifar100":  # as the DT fork does (issue 28, item 6): CIFAR-10's mean, std
+    if args.dataset == "cifar100":  # as the DT fork does: CIFAR-10's mean and std
         data.mean, data.std = common.STATS["cifar10"]
     args.image_size = data.image_size
     torch.manual_seed(args.seed)  # the same initial model on every rank

@@ -49,7 +49,7 @@ def parse_args(argv=None):
     # (33) per 256 (solo/args/pretrain.py lines 153-154 scale it by batch / 256); weight decay 1e-5
     # (35); warmup_cosine (41), 10 warm-up epochs per step (solo/methods/base.py lines 293-294);
     # 1000 epochs (50). Crop scale (0.08, 1): augmentations/asymmetric.yaml lines 3-4. The CIFAR
-    # stem's padding 2: solo/methods/base.py lines 200-202 (at 9187ea3, as issue 28 cites them)
+    # stem's padding 2: solo/methods/base.py lines 200-202 (at 9187ea3)
     parser.set_defaults(batch_size=256, epochs=1000, lr=0.4, wd=1e-5, warmup_epochs=10,
                         crop_scale=(0.08, 1.0), optimizer="lars", lars_eta=0.02, lars_clip=True,
                         stem_padding=2)

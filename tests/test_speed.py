@@ -33,11 +33,12 @@ def test_the_tables_have_a_row_per_method_and_the_two_baselines(tmp_path, monkey
 
 def test_the_bare_step_replays_the_networks_the_real_step_called():
     """BYOL + GSG: the online network once on the four crops, with gradient, then the momentum
-    encoder on each crop without; MoCo v2: the query network with gradient, the key encoder
-    without. The queue is never called."""
+    encoder on each crop without; MoCo v2: the query network on view 1 with gradient and on view
+    2 without (its BatchNorm and probes), the key encoder on each view without. The queue is never
+    called."""
     data = speed.held_data(TINY, CPU.device)
     for name, expected in (("byol-gsg", [("net", 4, True)] + [("target", 1, False)] * 4),
-                           ("mocov2", [("net", 1, True), ("key_encoder", 1, False)])):
+                           ("mocov2", [("net", 1, True), ("net", 1, False)] + [("key_encoder", 1, False)] * 2)):
         mod, options = speed.METHODS[name]
         t = speed.training(mod, [*options, "--width", "4", "--batch-size", "8",
                                  *speed.SMALL_HEADS[mod]], CPU, 8)
