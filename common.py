@@ -21,7 +21,8 @@ Part 2, plumbing that changes nothing a method computes:
   epoch log                     EpochMeter, check_finite, log_epoch
   run folder and checkpoints    hold_run_folder (the lock), write_atomic, start_run,
                                 save_checkpoint, load_checkpoint, finish
-  data loading and checks       load_data, torchvision_split, image_folder, ImageFiles, decode
+  data loading and checks       load_data, texture_images, torchvision_split, image_folder,
+                                ImageFiles, decode
 """
 import argparse
 import contextlib
@@ -815,8 +816,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 def add_common_args(parser):
     """The shared options; each method file sets its batch, epochs, lr, wd, warm-up, crop."""
     a = parser.add_argument
-    a("--dataset", choices=["cifar10", "cifar100", "stl10", "imagefolder"], default="cifar10",
-      help="imagefolder reads DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*")
+    a("--dataset", choices=["cifar10", "cifar100", "stl10", "imagefolder", "textures"],
+      default="cifar10", help="imagefolder reads DATA_DIR/train/<class>/* and DATA_DIR/val/"
+      "<class>/*; textures: 5 generated classes, 2,000 + 500 images of 20 px (a CPU demo)")
     a("--data-dir", default="./data", help="where the data set is (CIFAR/STL-10 download here)")
     a("--image-size", type=positive_int, help="default: 32 CIFAR, 96 STL-10, 224 imagefolder")
     a("--stream", action="store_true", help="imagefolder: DataLoader workers decode and crop "
@@ -1165,12 +1167,17 @@ class Data:
 
 def load_data(args, ctx, crops=2):
     """--dataset as Data; `crops`: random crops per image that a streaming train set makes."""
-    mean, std = STATS[args.dataset]
-    size = {"cifar10": 32, "cifar100": 32, "stl10": 96}.get(args.dataset, args.image_size or 224)
+    mean, std = STATS.get(args.dataset, STATS["imagefolder"])
+    size = {"cifar10": 32, "cifar100": 32, "stl10": 96, "textures": 20}.get(
+        args.dataset, args.image_size or 224)
     if args.dataset == "imagefolder":
         data = image_folder(args, ctx, size, mean, std, crops)
     elif args.image_size not in (None, size):
         raise UserError(f"--image-size {args.image_size}: {args.dataset} images are {size} px")
+    elif args.dataset == "textures":  # generated from --seed, nothing read or written
+        train, test = ([t.to(ctx.device) for t in split] for split in texture_images(args.seed))
+        train = train[0][:args.limit_train], train[1][:args.limit_train]
+        data = Data(*train, train, tuple(test), len(TEXTURES), size, mean, std)
     elif args.dataset == "stl10":  # pre-train on train+unlabeled, evaluate on the labelled splits
         train = torchvision_split(args, ctx, args.limit_train, split="train+unlabeled")
         data = Data(*train, torchvision_split(args, ctx, args.limit_train, split="train"),
@@ -1183,6 +1190,37 @@ def load_data(args, ctx, crops=2):
         raise UserError(f"--batch-size {args.batch_size} is more than the {len(data)} training "
                         f"images; use a smaller batch")
     return data
+
+
+TEXTURES = ("horizontal_stripes", "vertical_stripes", "checkerboard", "dots", "rings")
+
+
+def texture_images(seed, counts=(2000, 500), size=20):
+    """--dataset textures: (uint8 (N, 3, S, S), labels (N,)) per split of `counts`, image i of
+    class TEXTURES[i % 5]. Two-tone textures (period 4.5-6.5 px, random phase; rings about a random
+    centre) in two fixed colours, either one the foreground, plus noise: a class's images differ as
+    two augmentations of one image do, and colour says nothing of the class, so the untrained
+    network (its pooled features follow colour) is near chance, and a method learns the texture."""
+    generator = torch.Generator().manual_seed(seed)
+    u = lambda *shape: torch.rand(*shape, generator=generator)  # noqa: E731
+    colours = torch.tensor([[0.85, 0.75, 0.25], [0.2, 0.25, 0.6]]).view(2, 3, 1, 1)  # yellow, blue
+    y, x = torch.meshgrid(torch.arange(size).float(), torch.arange(size).float(), indexing="ij")
+    splits = []
+    for n in counts:
+        label, period = torch.arange(n) % len(TEXTURES), 4.5 + 2 * u(n, 1, 1)  # (n,), (n, 1, 1)
+        y_, x_ = y + period * u(n, 1, 1), x + period * u(n, 1, 1)  # (n, S, S) shifted by a phase
+        centre_y, centre_x = size * (0.2 + 0.6 * u(n, 1, 1)), size * (0.2 + 0.6 * u(n, 1, 1))
+        wave = lambda t: torch.sin(2 * torch.pi * t / period)  # noqa: E731
+        dy, dx = (torch.remainder(t, period) - period / 2 for t in (y_, x_))
+        patterns = torch.stack([wave(y_) > 0, wave(x_) > 0, wave(y_) * wave(x_) > 0,
+                                dy ** 2 + dx ** 2 < (0.3 * period) ** 2,
+                                wave(((y - centre_y) ** 2 + (x - centre_x) ** 2).sqrt()) > 0])
+        mask = patterns[label, torch.arange(n)].unsqueeze(1).float()  # (n, 1, S, S)
+        first = torch.randint(2, (n,), generator=generator)  # which colour is the foreground
+        images = mask * colours[first] + (1 - mask) * colours[1 - first]  # (n, 3, S, S)
+        images = images + 0.08 * torch.randn(n, 3, size, size, generator=generator)
+        splits.append(((images.clamp(0, 1) * 255).round().to(torch.uint8), label))
+    return splits
 
 
 def torchvision_split(args, ctx, limit, **split):
