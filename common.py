@@ -71,9 +71,9 @@ class Context:
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp)
 
-    def print(self, text):
+    def print(self, text, file=None):  # file: sys.stdout, or sys.stderr for warnings
         if self.rank == 0:
-            tqdm.write(text)
+            tqdm.write(text, file=file)
 
 
 def rank():
@@ -661,7 +661,10 @@ def evaluate(backbone, data, ctx, args, final=False, probe=None):
     result = {"knn_top1": knn(args.knn_k)}
     if probe is not None:
         result["online_top1"] = probe.accuracy(backbone, data, ctx, args.workers)
-    if final:
+    if final:  # the method: the script and the options that choose it
+        flags = [f"--{k} {getattr(args, k)}" for k in ("loss", "method", "stopgrad")
+                 if hasattr(args, k)]
+        result = {"method": " ".join([f"{RUN['script']}.py", *flags]), **result}
         result.update(knn_k=args.knn_k, knn_k1_top1=knn(1), epochs=args.epochs)
         protocol = args.linear_protocol
         epochs, lr, batch = protocol_settings(protocol, args.linear_epochs, args.linear_lr,
@@ -762,7 +765,7 @@ class UserError(Exception):
     """A problem the user can fix: printed as one line, exit status 2, no traceback."""
 
 
-RUN = {"out": None, "argv": None}  # this process's run folder and command line (parse_args)
+RUN = {"out": None, "argv": None, "script": None}  # this process's (parse_args)
 
 
 def run(main):
@@ -810,7 +813,11 @@ momentum_value = checked(float, lambda m: 0 <= m < 1, "in [0, 1)")  # EMA: t <- 
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """--help keeps the usage docstring's layout and shows every default."""
+    """--help keeps the usage docstring's layout and shows every default, once."""
+
+    def _get_help_string(self, action):  # a help text that gives its own default keeps it
+        own = "default" in (action.help or "")
+        return action.help if own else super()._get_help_string(action)
 
 
 def add_common_args(parser):
@@ -857,7 +864,8 @@ def add_common_args(parser):
     a("--seed", type=seed_value, default=0, help="seed of model init, data order, augmentation")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu",
       help="cuda, cuda:N or cpu (under torchrun, cuda means cuda:LOCAL_RANK)")
-    a("--amp", action=argparse.BooleanOptionalAction, help="bf16 autocast (default: native bf16)")
+    a("--amp", action=argparse.BooleanOptionalAction, help="bf16 autocast (default: where the GPU "
+      "has native bf16)")
     a("--compile", action=argparse.BooleanOptionalAction, default=False,
       help="torch.compile the model")
 
@@ -873,7 +881,7 @@ def parse_args(parser, argv, script):
     recorded command line and this one after it, which may change only the RESUMABLE options; an
     option read otherwise than recorded (a default changed since the run) is refused."""
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    args = parse(parser, argv)
+    args, RUN["script"] = parse(parser, argv), script
     if args.resume is None:
         # the process id keeps apart runs started in the same second (rank 0's names the folder)
         default = f"{script}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -942,7 +950,8 @@ def setup(args):
         if device.index is None:  # torchrun: a GPU per local rank; or the one GPU a process sees
             device = torch.device("cuda", local_rank if count > 1 else 0)
         if device.index >= count:
-            raise UserError(f"--device {device}, but {count} CUDA GPU(s) are visible here")
+            raise UserError(f"--device {args.device}, but {count} CUDA GPU(s) are visible here; "
+                            f"use --device {f'cuda:{count - 1}' if count else 'cpu'}")
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True
     if world > 1 and not dist.is_initialized():
@@ -1066,9 +1075,20 @@ def save_atomic(obj, path):
     write_atomic(path, lambda f: torch.save(obj, f))
 
 
-def start_run(args, ctx, script):
-    """Take the run folder (its lock), write config.json. Called once the data and the model are
+def start_run(args, ctx, data, backbone):
+    """Say what runs where (one line) and warn of a run that ends in its warm-up; a new run takes
+    the run folder (its lock) and writes config.json. Called once the data and the model are
     ready: a run that fails to start leaves nothing."""
+    where = "generated" if args.dataset == "textures" else args.data_dir
+    held, val = ("streamed", data.eval_test) if data.streaming else ("held", data.eval_test[1])
+    ctx.print(f"run {ctx.out}  data {args.dataset} ({where}, {held})  train {len(data)}  val "
+              f"{len(val)}  classes {data.num_classes}  image {data.image_size} px  device "
+              f"{ctx.device}  processes {ctx.world}  backbone {args.arch} width {args.width}: "
+              f"{sum(p.numel() for p in backbone.parameters()):,} parameters")
+    if 0 < args.epochs <= args.warmup_epochs:  # the lr ends at epochs / warm-up of its peak
+        ctx.print(f"warning: --epochs {args.epochs} is not more than --warmup-epochs "
+                  f"{args.warmup_epochs}: the learning rate never leaves its warm-up (nor reaches "
+                  f"its peak); use fewer --warmup-epochs", sys.stderr)
     if ctx.rank != 0 or args.resume:
         return
     os.makedirs(ctx.out, exist_ok=True)
@@ -1078,7 +1098,8 @@ def start_run(args, ctx, script):
     write_atomic(os.path.join(ctx.out, "metrics.jsonl"), lambda f: None)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    config = {"script": script, "argv": RUN["argv"], "args": vars(args), "world_size": ctx.world,
+    config = {"script": RUN["script"], "argv": RUN["argv"], "args": vars(args),
+              "world_size": ctx.world,
               "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                            "git_commit": commit or None}}
     write_atomic(os.path.join(ctx.out, "config.json"),
@@ -1228,6 +1249,10 @@ def torchvision_split(args, ctx, limit, **split):
     finds and checks, the files holding the data folder's lock: one download at a time."""
     cls = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100,
            "stl10": torchvision.datasets.STL10}[args.dataset]
+    folders = [os.path.join(args.data_dir, f) for f in ("train", "val", cls.base_folder)]
+    if all(map(os.path.isdir, folders[:2])) and not os.path.exists(folders[2]):  # nothing written
+        raise UserError(f"{args.data_dir} holds train/ and val/, as an image folder does, and no "
+                        f"{args.dataset}: for an image folder use --dataset imagefolder")
     try:
         os.makedirs(args.data_dir, exist_ok=True)
         lock = open(os.path.join(args.data_dir, ".download.lock"), "a")
@@ -1271,6 +1296,10 @@ def image_folder(args, ctx, size, mean, std, crops):
         train = [train[i * len(train) // args.limit_train] for i in range(args.limit_train)]
     labels = [torch.tensor([y for _, y in s], device=ctx.device) for s in (train, val)]
     classes = len(folders["train"].classes)
+    h, w = ImageFiles(train[:1], None, whole=True)[0][0].shape[1:]  # the first image's size
+    if args.image_size is None and min(h, w) < size:  # upsized: slower, no more detail
+        ctx.print(f"warning: {args.data_dir} holds {w}x{h} px images, trained at {size} px "
+                  f"(--image-size's default); add --image-size {min(h, w)}", sys.stderr)
     if args.stream:
         return Data(ImageFiles(train, size, crops, args.crop_scale), labels[0],
                     ImageFiles(train, size), ImageFiles(val, size), classes, size, mean, std,

@@ -259,7 +259,7 @@ def main(argv=None):
     states = {"model": model, "optimizer": optimizer, "key_encoder": key_encoder, "queues": queues,
               "online_probe": probe}
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
-    common.start_run(args, ctx, "moco_simmoco_simco")
+    common.start_run(args, ctx, data, model.backbone)
     augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
     steps = len(data) // args.batch_size
 

@@ -238,7 +238,7 @@ def main(argv=None):
     states = {"model": model, "optimizer": optimizer, "support_set": support_set,
               "online_probe": probe}
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
-    common.start_run(args, ctx, "nnclr_dcl")
+    common.start_run(args, ctx, data, model.backbone)
     augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
     steps = len(data) // args.batch_size
 

@@ -169,7 +169,7 @@ def main(argv=None):
         if args.online_probe else None  # reads the backbone's training passes
     states = {"model": model, "optimizer": optimizer, "online_probe": probe}  # checkpoint.pt
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
-    common.start_run(args, ctx, "simclr_dcl")
+    common.start_run(args, ctx, data, model.backbone)
     augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
     steps = len(data) // args.batch_size
 

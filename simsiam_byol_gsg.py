@@ -252,7 +252,7 @@ def main(argv=None):
         if args.online_probe else None  # reads the backbone's training passes
     states = {"model": model, "optimizer": optimizer, "target": target, "online_probe": probe}
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
-    common.start_run(args, ctx, "simsiam_byol_gsg")
+    common.start_run(args, ctx, data, model.encoder.backbone)
     augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
     steps = len(data) // args.batch_size
     total_steps = args.epochs * steps

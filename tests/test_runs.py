@@ -134,6 +134,7 @@ def test_backbone_pt_loads_into_torchvision(tmp_path, arch, size):
             m.running_mean.uniform_(-0.5, 0.5), m.running_var.uniform_(0.5, 2)
             m.weight.data.uniform_(0.5, 1.5), m.bias.data.uniform_(-0.2, 0.2)
     ctx = common.Context(0, 1, 0, torch.device("cpu"), str(tmp_path), False)
+    common.hold_run_folder(str(tmp_path))  # as start_run does: finish lets the folder go
     common.finish(ctx, backbone, {"knn_top1": 0.0, "knn_k": 200, "knn_k1_top1": 0.0})
     weights = torch.load(tmp_path / "backbone.pt", weights_only=True)
     assert all(t.device.type == "cpu" for t in weights.values())
