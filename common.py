@@ -21,7 +21,8 @@ Part 2, plumbing that changes nothing a method computes:
   epoch log                     EpochMeter, check_finite, log_epoch
   run folder and checkpoints    hold_run_folder (the lock), write_atomic, start_run,
                                 save_checkpoint, load_checkpoint, finish
-  data loading and checks       load_data, torchvision_split, image_folder, ImageFiles, decode
+  data loading and checks       load_data, texture_images, torchvision_split, image_folder,
+                                ImageFiles, decode
 """
 import argparse
 import contextlib
@@ -70,9 +71,9 @@ class Context:
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp)
 
-    def print(self, text):
+    def print(self, text, file=None):  # file: sys.stdout, or sys.stderr for warnings
         if self.rank == 0:
-            tqdm.write(text)
+            tqdm.write(text, file=file)
 
 
 def rank():
@@ -678,7 +679,10 @@ def evaluate(backbone, data, ctx, args, final=False, probes=None):
     result = {"knn_top1": knn(args.knn_k)}
     for probe in (probes or {}).values():
         result[probe.name] = probe.accuracy(data, ctx, args.workers)
-    if final:
+    if final:  # the method: the script and the options that choose it
+        flags = [f"--{k} {getattr(args, k)}" for k in ("loss", "method", "stopgrad")
+                 if hasattr(args, k)]
+        result = {"method": " ".join([f"{RUN['script']}.py", *flags]), **result}
         result.update(knn_k=args.knn_k, knn_k1_top1=knn(1), epochs=args.epochs)
         protocol = args.linear_protocol
         epochs, lr, batch = protocol_settings(protocol, args.linear_epochs, args.linear_lr,
@@ -779,7 +783,7 @@ class UserError(Exception):
     """A problem the user can fix: printed as one line, exit status 2, no traceback."""
 
 
-RUN = {"out": None, "argv": None}  # this process's run folder and command line (parse_args)
+RUN = {"out": None, "argv": None, "script": None}  # this process's (parse_args)
 
 
 def run(main):
@@ -827,14 +831,19 @@ momentum_value = checked(float, lambda m: 0 <= m < 1, "in [0, 1)")  # EMA: t <- 
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """--help keeps the usage docstring's layout and shows every default."""
+    """--help keeps the usage docstring's layout and shows every default, once."""
+
+    def _get_help_string(self, action):  # a help text that gives its own default keeps it
+        own = "default" in (action.help or "")
+        return action.help if own else super()._get_help_string(action)
 
 
 def add_common_args(parser):
     """The shared options; each method file sets its batch, epochs, lr, wd, warm-up, crop."""
     a = parser.add_argument
-    a("--dataset", choices=["cifar10", "cifar100", "stl10", "imagefolder"], default="cifar10",
-      help="imagefolder reads DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*")
+    a("--dataset", choices=["cifar10", "cifar100", "stl10", "imagefolder", "textures"],
+      default="cifar10", help="imagefolder reads DATA_DIR/train/<class>/* and DATA_DIR/val/"
+      "<class>/*; textures: 5 generated classes, 2,000 + 500 images of 20 px (a CPU demo)")
     a("--data-dir", default="./data", help="where the data set is (CIFAR/STL-10 download here)")
     a("--image-size", type=positive_int, help="default: 32 CIFAR, 96 STL-10, 224 imagefolder")
     a("--stream", action="store_true", help="imagefolder: DataLoader workers decode and crop "
@@ -875,7 +884,8 @@ def add_common_args(parser):
     a("--seed", type=seed_value, default=0, help="seed of model init, data order, augmentation")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu",
       help="cuda, cuda:N or cpu (under torchrun, cuda means cuda:LOCAL_RANK)")
-    a("--amp", action=argparse.BooleanOptionalAction, help="bf16 autocast (default: native bf16)")
+    a("--amp", action=argparse.BooleanOptionalAction, help="bf16 autocast (default: where the GPU "
+      "has native bf16)")
     a("--compile", action=argparse.BooleanOptionalAction, default=False,
       help="torch.compile the model")
 
@@ -891,7 +901,7 @@ def parse_args(parser, argv, script):
     recorded command line and this one after it, which may change only the RESUMABLE options; an
     option read otherwise than recorded (a default changed since the run) is refused."""
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    args = parse(parser, argv)
+    args, RUN["script"] = parse(parser, argv), script
     if args.resume is None:
         # the process id keeps apart runs started in the same second (rank 0's names the folder)
         default = f"{script}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -960,7 +970,8 @@ def setup(args):
         if device.index is None:  # torchrun: a GPU per local rank; or the one GPU a process sees
             device = torch.device("cuda", local_rank if count > 1 else 0)
         if device.index >= count:
-            raise UserError(f"--device {device}, but {count} CUDA GPU(s) are visible here")
+            raise UserError(f"--device {args.device}, but {count} CUDA GPU(s) are visible here; "
+                            f"use --device {f'cuda:{count - 1}' if count else 'cpu'}")
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True
     if world > 1 and not dist.is_initialized():
@@ -1084,9 +1095,20 @@ def save_atomic(obj, path):
     write_atomic(path, lambda f: torch.save(obj, f))
 
 
-def start_run(args, ctx, script):
-    """Take the run folder (its lock), write config.json. Called once the data and the model are
+def start_run(args, ctx, data, backbone):
+    """Say what runs where (one line) and warn of a run that ends in its warm-up; a new run takes
+    the run folder (its lock) and writes config.json. Called once the data and the model are
     ready: a run that fails to start leaves nothing."""
+    where = "generated" if args.dataset == "textures" else args.data_dir
+    held, val = ("streamed", data.eval_test) if data.streaming else ("held", data.eval_test[1])
+    ctx.print(f"run {ctx.out}  data {args.dataset} ({where}, {held})  train {len(data)}  val "
+              f"{len(val)}  classes {data.num_classes}  image {data.image_size} px  device "
+              f"{ctx.device}  processes {ctx.world}  backbone {args.arch} width {args.width}: "
+              f"{sum(p.numel() for p in backbone.parameters()):,} parameters")
+    if 0 < args.epochs <= args.warmup_epochs:  # the lr ends at epochs / warm-up of its peak
+        ctx.print(f"warning: --epochs {args.epochs} is not more than --warmup-epochs "
+                  f"{args.warmup_epochs}: the learning rate never leaves its warm-up (nor reaches "
+                  f"its peak); use fewer --warmup-epochs", sys.stderr)
     if ctx.rank != 0 or args.resume:
         return
     os.makedirs(ctx.out, exist_ok=True)
@@ -1096,7 +1118,8 @@ def start_run(args, ctx, script):
     write_atomic(os.path.join(ctx.out, "metrics.jsonl"), lambda f: None)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    config = {"script": script, "argv": RUN["argv"], "args": vars(args), "world_size": ctx.world,
+    config = {"script": RUN["script"], "argv": RUN["argv"], "args": vars(args),
+              "world_size": ctx.world,
               "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                            "git_commit": commit or None}}
     write_atomic(os.path.join(ctx.out, "config.json"),
@@ -1186,12 +1209,17 @@ class Data:
 
 def load_data(args, ctx, crops=2):
     """--dataset as Data; `crops`: random crops per image that a streaming train set makes."""
-    mean, std = STATS[args.dataset]
-    size = {"cifar10": 32, "cifar100": 32, "stl10": 96}.get(args.dataset, args.image_size or 224)
+    mean, std = STATS.get(args.dataset, STATS["imagefolder"])
+    size = {"cifar10": 32, "cifar100": 32, "stl10": 96, "textures": 20}.get(
+        args.dataset, args.image_size or 224)
     if args.dataset == "imagefolder":
         data = image_folder(args, ctx, size, mean, std, crops)
     elif args.image_size not in (None, size):
         raise UserError(f"--image-size {args.image_size}: {args.dataset} images are {size} px")
+    elif args.dataset == "textures":  # generated from --seed, nothing read or written
+        train, test = ([t.to(ctx.device) for t in split] for split in texture_images(args.seed))
+        train = train[0][:args.limit_train], train[1][:args.limit_train]
+        data = Data(*train, train, tuple(test), len(TEXTURES), size, mean, std)
     elif args.dataset == "stl10":  # pre-train on train+unlabeled, evaluate on the labelled splits
         train = torchvision_split(args, ctx, args.limit_train, split="train+unlabeled")
         data = Data(*train, torchvision_split(args, ctx, args.limit_train, split="train"),
@@ -1206,11 +1234,46 @@ def load_data(args, ctx, crops=2):
     return data
 
 
+TEXTURES = ("horizontal_stripes", "vertical_stripes", "checkerboard", "dots", "rings")
+
+
+def texture_images(seed, counts=(2000, 500), size=20):
+    """--dataset textures: (uint8 (N, 3, S, S), labels (N,)) per split of `counts`, image i of
+    class TEXTURES[i % 5]. Two-tone textures (period 4.5-6.5 px, random phase; rings about a random
+    centre) in two fixed colours, either one the foreground, plus noise: a class's images differ as
+    two augmentations of one image do, and colour says nothing of the class, so the untrained
+    network (its pooled features follow colour) is near chance, and a method learns the texture."""
+    generator = torch.Generator().manual_seed(seed)
+    u = lambda *shape: torch.rand(*shape, generator=generator)  # noqa: E731
+    colours = torch.tensor([[0.85, 0.75, 0.25], [0.2, 0.25, 0.6]]).view(2, 3, 1, 1)  # yellow, blue
+    y, x = torch.meshgrid(torch.arange(size).float(), torch.arange(size).float(), indexing="ij")
+    splits = []
+    for n in counts:
+        label, period = torch.arange(n) % len(TEXTURES), 4.5 + 2 * u(n, 1, 1)  # (n,), (n, 1, 1)
+        y_, x_ = y + period * u(n, 1, 1), x + period * u(n, 1, 1)  # (n, S, S) shifted by a phase
+        centre_y, centre_x = size * (0.2 + 0.6 * u(n, 1, 1)), size * (0.2 + 0.6 * u(n, 1, 1))
+        wave = lambda t: torch.sin(2 * torch.pi * t / period)  # noqa: E731
+        dy, dx = (torch.remainder(t, period) - period / 2 for t in (y_, x_))
+        patterns = torch.stack([wave(y_) > 0, wave(x_) > 0, wave(y_) * wave(x_) > 0,
+                                dy ** 2 + dx ** 2 < (0.3 * period) ** 2,
+                                wave(((y - centre_y) ** 2 + (x - centre_x) ** 2).sqrt()) > 0])
+        mask = patterns[label, torch.arange(n)].unsqueeze(1).float()  # (n, 1, S, S)
+        first = torch.randint(2, (n,), generator=generator)  # which colour is the foreground
+        images = mask * colours[first] + (1 - mask) * colours[1 - first]  # (n, 3, S, S)
+        images = images + 0.08 * torch.randn(n, 3, size, size, generator=generator)
+        splits.append(((images.clamp(0, 1) * 255).round().to(torch.uint8), label))
+    return splits
+
+
 def torchvision_split(args, ctx, limit, **split):
     """CIFAR/STL-10 as uint8 (N, 3, S, S) and labels on the device. Each process downloads, or
     finds and checks, the files holding the data folder's lock: one download at a time."""
     cls = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100,
            "stl10": torchvision.datasets.STL10}[args.dataset]
+    folders = [os.path.join(args.data_dir, f) for f in ("train", "val", cls.base_folder)]
+    if all(map(os.path.isdir, folders[:2])) and not os.path.exists(folders[2]):  # nothing written
+        raise UserError(f"{args.data_dir} holds train/ and val/, as an image folder does, and no "
+                        f"{args.dataset}: for an image folder use --dataset imagefolder")
     try:
         os.makedirs(args.data_dir, exist_ok=True)
         lock = open(os.path.join(args.data_dir, ".download.lock"), "a")
@@ -1254,6 +1317,10 @@ def image_folder(args, ctx, size, mean, std, crops):
         train = [train[i * len(train) // args.limit_train] for i in range(args.limit_train)]
     labels = [torch.tensor([y for _, y in s], device=ctx.device) for s in (train, val)]
     classes = len(folders["train"].classes)
+    h, w = ImageFiles(train[:1], None, whole=True)[0][0].shape[1:]  # the first image's size
+    if args.image_size is None and min(h, w) < size:  # upsized: slower, no more detail
+        ctx.print(f"warning: {args.data_dir} holds {w}x{h} px images, trained at {size} px "
+                  f"(--image-size's default); add --image-size {min(h, w)}", sys.stderr)
     if args.stream:
         return Data(ImageFiles(train, size, crops, args.crop_scale), labels[0],
                     ImageFiles(train, size), ImageFiles(val, size), classes, size, mean, std,

@@ -9,11 +9,11 @@ keys are the negatives), then its momentum encoder too (SimCo: one encoder, symm
 
     python moco_simmoco_simco.py --method simco --dataset cifar100                 # one GPU
     torchrun --nproc_per_node=8 moco_simmoco_simco.py --method simmoco --dataset cifar100
-    python moco_simmoco_simco.py --dataset imagefolder --data-dir D --image-size 32 \\
-        --batch-size 32 --width 8 --epochs 2 --device cpu  # CPU smoke run
+    python moco_simmoco_simco.py --dataset textures --width 8 --batch-size 32 --lr 0.3 \\
+        --warmup-epochs 0 --epochs 3 --proj-hidden 256 --proj-dim 64  # CPU, no download
 
-(torchrun: --batch-size is global.) "official": github.com/ChaoningZhang/Dual-temperature, which
-forks solo-learn (its solo/ paths below).
+(torchrun: --batch-size is global, 256 split over the 8 GPUs; the last line runs on a CPU in
+minutes.) "official": github.com/ChaoningZhang/Dual-temperature, built on solo-learn (solo/ paths).
 """
 import argparse
 import copy
@@ -262,7 +262,7 @@ def main(argv=None):
     states = {"model": model, "optimizer": optimizer, "key_encoder": key_encoder, "queues": queues,
               **probes}
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
-    common.start_run(args, ctx, "moco_simmoco_simco")
+    common.start_run(args, ctx, data, model.backbone)
     augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
     steps = len(data) // args.batch_size
 

@@ -9,8 +9,8 @@ up-weights hard positive pairs.
 
     python nnclr_dcl.py --loss dcl                        # one GPU, CIFAR-10 downloaded to ./data
     torchrun --nproc_per_node=8 nnclr_dcl.py --loss dcl   # 8 GPUs, same global batch of 256
-    python nnclr_dcl.py --dataset imagefolder --data-dir D --image-size 32 \\
-        --batch-size 32 --width 8 --epochs 2 --device cpu  # CPU smoke run
+    python nnclr_dcl.py --dataset textures --width 8 --batch-size 32 --lr 0.3 --warmup-epochs 0 \\
+        --epochs 3 --proj-hidden 256 --proj-dim 64 --support-size 512   # CPU, no download
 """
 import argparse
 import math
@@ -239,7 +239,7 @@ def main(argv=None):
     probes = common.online_probes(args, data, ctx, model.backbone)
     states = {"model": model, "optimizer": optimizer, "support_set": support_set, **probes}
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
-    common.start_run(args, ctx, "nnclr_dcl")
+    common.start_run(args, ctx, data, model.backbone)
     augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
     steps = len(data) // args.batch_size
 

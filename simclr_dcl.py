@@ -8,8 +8,8 @@ which removes q_B (Prop. 2); DCLW also up-weights hard positive pairs.
 
     python simclr_dcl.py --loss dclw                        # one GPU, CIFAR-10 downloaded to ./data
     torchrun --nproc_per_node=8 simclr_dcl.py --loss dclw   # 8 GPUs, same global batch of 256
-    python simclr_dcl.py --dataset imagefolder --data-dir D --image-size 32 \\
-        --batch-size 32 --width 8 --epochs 2 --device cpu  # CPU smoke run
+    python simclr_dcl.py --dataset textures --width 8 --batch-size 32 --lr 0.3 \\
+        --warmup-epochs 0 --epochs 3 --proj-hidden 256 --proj-dim 64  # CPU, no download
 """
 import argparse
 import math
@@ -169,7 +169,7 @@ def main(argv=None):
     probes = common.online_probes(args, data, ctx, model.backbone)
     states = {"model": model, "optimizer": optimizer, **probes}  # checkpoint.pt
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
-    common.start_run(args, ctx, "simclr_dcl")
+    common.start_run(args, ctx, data, model.backbone)
     augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
     steps = len(data) // args.batch_size
 

@@ -10,8 +10,8 @@ as x1, 2, 3 its views as x2 (official gsg/loader.py). `random` / `reverse` are S
 
     python simsiam_byol_gsg.py --method byol --stopgrad guided        # one GPU, CIFAR-10 in ./data
     torchrun --nproc_per_node=8 simsiam_byol_gsg.py --method simsiam  # 8 GPUs, same global batch
-    python simsiam_byol_gsg.py --dataset imagefolder --data-dir D --image-size 32 \\
-        --batch-size 32 --width 8 --epochs 2 --device cpu  # CPU smoke run
+    python simsiam_byol_gsg.py --dataset textures --width 8 --batch-size 32 --lr 0.3 \\
+        --warmup-epochs 0 --epochs 3 --proj-hidden 256 --proj-dim 64  # CPU, no download
 """
 import argparse
 import copy
@@ -253,7 +253,7 @@ def main(argv=None):
     probes = common.online_probes(args, data, ctx, model.encoder.backbone, target)
     states = {"model": model, "optimizer": optimizer, "target": target, **probes}  # checkpoint.pt
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
-    common.start_run(args, ctx, "simsiam_byol_gsg")
+    common.start_run(args, ctx, data, model.encoder.backbone)
     augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
     steps = len(data) // args.batch_size
     total_steps = args.epochs * steps

@@ -1,5 +1,6 @@
-"""Helpers shared by the tests: a tiny generated ImageFolder, running the real scripts in a
-subprocess (plain python or torchrun), and running a test function in 2 gloo processes."""
+"""Helpers shared by the tests: generated ImageFolders (tiny coloured ones; common's textures),
+running the real scripts in a subprocess (plain python or torchrun), and running a test function
+in 2 gloo processes."""
 
 import contextlib
 import os
@@ -140,56 +141,17 @@ def check_run_folder(out, epochs=None):
     return config, lines, results
 
 
-TEXTURES = ("horizontal_stripes", "vertical_stripes", "checkerboard", "dots", "rings")
-
-
-def texture_image_folder(root, train_per_class=400, val_per_class=100, size=20, seed=0):
-    """Write DATA/{train,val}/<texture>/<i>.png, one class per texture in TEXTURES.
-
-    Each image is a two-tone texture (random period 4.5-6.5 px, random phase; rings around a random
-    centre inside the image) in two fixed colours, either one as foreground, plus pixel noise.
-    Within a class, images differ about as much as two augmentations of one image do (shift, zoom,
-    colour), so instance discrimination must learn the texture; colour says nothing about the
-    class, so an untrained network (whose pooled features mostly follow colour) is near chance.
-    Vectorised: 2,500 images in about a second.
-    """
+def texture_image_folder(root, seed=0):
+    """common.texture_images(seed) written as DATA/{train,val}/<texture>/<i>.png (lossless: read
+    back, the images of --dataset textures --seed SEED, in ImageFolder's order)."""
     from PIL import Image
 
-    generator = torch.Generator().manual_seed(seed)
-    u = lambda *shape: torch.rand(*shape, generator=generator)
-    colours = torch.tensor([[0.85, 0.75, 0.25], [0.2, 0.25, 0.6]]).view(2, 3, 1, 1)  # yellow, blue
-    for split, count in (("train", train_per_class), ("val", val_per_class)):
-        n = count * len(TEXTURES)
-        label = torch.arange(n) % len(TEXTURES)  # (n,)
-        period = (4.5 + 2 * u(n)).view(n, 1, 1)
-        shift_y, shift_x = (period * u(n, 1, 1), period * u(n, 1, 1))
-        centre_y, centre_x = (size * (0.2 + 0.6 * u(n, 1, 1)), size * (0.2 + 0.6 * u(n, 1, 1)))
-        y, x = torch.meshgrid(
-            torch.arange(size).float(), torch.arange(size).float(), indexing="ij"
-        )  # (S, S)
-        wave = lambda t: torch.sin(2 * torch.pi * t / period)  # (n, S, S)
-        dy = torch.remainder(y + shift_y, period) - period / 2
-        dx = torch.remainder(x + shift_x, period) - period / 2
-        patterns = torch.stack(
-            [
-                wave(y + shift_y) > 0,
-                wave(x + shift_x) > 0,
-                wave(y + shift_y) * wave(x + shift_x) > 0,
-                dy**2 + dx**2 < (0.3 * period) ** 2,
-                wave(((y - centre_y) ** 2 + (x - centre_x) ** 2).sqrt()) > 0,
-            ]
-        )  # (classes, n, S, S)
-        mask = patterns[label, torch.arange(n)].unsqueeze(1).float()  # (n, 1, S, S)
-        first = torch.randint(2, (n,), generator=generator)  # which colour is the foreground
-        images = mask * colours[first] + (1 - mask) * colours[1 - first]
-        images = images + 0.08 * torch.randn(n, 3, size, size, generator=generator)  # (n, 3, S, S)
-        pixels = (
-            (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
-        )  # (n, S, S, 3)
-        for name in TEXTURES:
+    import common
+
+    for split, (images, labels) in zip(("train", "val"), common.texture_images(seed)):
+        for name in common.TEXTURES:
             os.makedirs(os.path.join(root, split, name), exist_ok=True)
-        for i in range(n):
-            Image.fromarray(pixels[i]).save(
-                os.path.join(root, split, TEXTURES[label[i]], f"{i}.png")
-            )
+        for i, (image, label) in enumerate(zip(images.permute(0, 2, 3, 1).numpy(), labels)):
+            path = os.path.join(root, split, common.TEXTURES[label], f"{i}.png")
+            Image.fromarray(image).save(path)
     return root

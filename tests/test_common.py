@@ -2,6 +2,7 @@
 and resume, and every bad-input case (run through simclr_dcl.py)."""
 
 import itertools
+import json
 import os
 
 import pytest
@@ -365,9 +366,12 @@ def fails_with(argv, capsys, message):
     with pytest.raises(SystemExit) as exit_info:
         common.run(lambda: simclr_dcl.main(argv))
     assert exit_info.value.code == 2
-    # the lines a terminal shows: a progress bar that was cleared (by "\r") does not count
+    # the lines a terminal shows: a progress bar that was cleared (by "\r") does not count, nor
+    # a start-up warning (smoke runs end within the warm-up)
     err = [line.split("\r")[-1] for line in capsys.readouterr().err.strip().split("\n")]
+    err = [line for line in err if not line.startswith("warning: ")]
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    return err[0]
 
 
 def test_missing_data_directory(tmp_path, capsys):
@@ -643,6 +647,92 @@ def test_a_device_that_is_not_there_is_one_error_line(tmp_path, capsys):
     missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU (cuda:0 on a CPU)
     fails_with(["--device", missing, "--out", str(tmp_path / "o")], capsys, f"--device {missing}")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
+def test_cuda_without_a_gpu_names_what_was_typed_and_suggests_cpu(tmp_path, capsys):
+    line = fails_with(["--device", "cuda", "--out", str(tmp_path / "o")], capsys, "--device cpu")
+    assert "--device cuda," in line and "cuda:0" not in line
+
+
+# ------------------------------------------------------------------------------ what a run says
+
+
+def test_a_run_that_ends_within_its_warm_up_is_warned_about(tiny_folder, tmp_path, capsys):
+    """--epochs at most --warmup-epochs: the learning rate never reaches its peak, and a warning
+    says so; none with fewer warm-up epochs, nor for --epochs 0 (no training)."""
+    for extra, warned in ((["--warmup-epochs", "3"], True), (["--warmup-epochs", "1"], True),
+                          (["--warmup-epochs", "0"], False), (["--epochs", "0"], False)):
+        simclr_dcl.main(smoke_args(tiny_folder, tmp_path / str(len(os.listdir(tmp_path))),
+                                   "--linear-epochs", "0", *extra))
+        err = capsys.readouterr().err
+        assert ("warning: --epochs 1 is not more than --warmup-epochs" in err) == warned, extra
+
+
+SCRIPTS = ("simclr_dcl", "moco_simmoco_simco", "simsiam_byol_gsg", "nnclr_dcl")
+METHOD = {"simclr_dcl": "--loss dcl", "moco_simmoco_simco": "--method simco",
+          "simsiam_byol_gsg": "--method simsiam --stopgrad guided", "nnclr_dcl": "--loss dcl"}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_start_up_line_and_results_name_the_run(script, tmp_path, capsys):
+    """The first line printed: run folder, data set and where it is (held or streamed), train and
+    val images, classes, image size, device, processes, the backbone's parameters; results.json
+    names the method (script and its --loss / --method / --stopgrad) and the epochs trained."""
+    module = __import__(script)
+    module.main(["--dataset", "textures", "--width", "8", "--epochs", "0", "--device", "cpu",
+                 "--linear-epochs", "0", "--out", str(tmp_path / "run")])
+    first = capsys.readouterr().out.splitlines()[0]
+    params = sum(p.numel() for p in common.ResNet("resnet18", 8, 20).parameters())
+    assert first == (f"run {tmp_path / 'run'}  data textures (generated, held)  train 2000  "
+                     f"val 500  classes 5  image 20 px  device cpu  processes 1  "
+                     f"backbone resnet18 width 8: {params:,} parameters")
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["method"] == f"{script}.py {METHOD[script]}" and results["epochs"] == 0
+
+
+def test_a_streamed_folder_is_named_with_its_path_on_the_start_up_line(tiny_folder, tmp_path,
+                                                                       capsys):
+    simclr_dcl.main(smoke_args(tiny_folder, tmp_path, "--stream", "--epochs", "0",
+                               "--linear-epochs", "0"))
+    assert f"data imagefolder ({tiny_folder}, streamed)  train 72  val 18  classes 3  image 16 " \
+        in capsys.readouterr().out.splitlines()[0]
+
+
+def test_small_images_upsized_to_the_default_size_are_warned_about(tiny_folder, capsys):
+    """An image folder of 20x24 px images without --image-size trains at 224 px: a warning names
+    --image-size 20; none with --image-size."""
+    argv = ["--dataset", "imagefolder", "--data-dir", tiny_folder, "--device", "cpu",
+            "--batch-size", "16", "--workers", "0"]
+    common.load_data(simclr_dcl.parse_args(argv), ctx_for(0, 1))
+    err = capsys.readouterr().err
+    assert "warning:" in err and "24x20 px images" in err and "add --image-size 20" in err, err
+    common.load_data(simclr_dcl.parse_args(argv + ["--image-size", "20"]), ctx_for(0, 1))
+    assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dataset", ["cifar10", "stl10"])
+def test_a_download_set_pointed_at_an_image_folder_hints_at_imagefolder(dataset, tmp_path, capsys,
+                                                                          monkeypatch):
+    """--dataset cifar10 (or cifar100, stl10) --data-dir D, where D holds train/ and val/: one
+    line naming --dataset imagefolder, and no lock file (nor anything else) written into D."""
+    for proxy in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(proxy, "http://127.0.0.1:9")  # the old code tried to download into D
+    data = tiny_image_folder(str(tmp_path / "D"), classes=2, train_per_class=2, val_per_class=1)
+    fails_with(["--dataset", dataset, "--data-dir", data, "--device", "cpu",
+                "--out", str(tmp_path / "o")], capsys, "--dataset imagefolder")
+    assert sorted(os.listdir(data)) == ["train", "val"]
+
+
+def test_help_shows_one_default_per_option(capsys):
+    """Each option of each script's --help names its default at most once (an option whose help
+    text gives its own default gets no second "(default: None)" from argparse)."""
+    for script in SCRIPTS:
+        with pytest.raises(SystemExit):
+            __import__(script).parse_args(["--help"])
+        options = capsys.readouterr().out.split("\n  -")[1:]  # each option's entry
+        twice = [o.split()[0] for o in options if o.lower().count("default") > 1]
+        assert not twice, (script, twice)
 
 
 def test_the_progress_bar_moves_every_step_of_a_short_epoch():

@@ -1,4 +1,5 @@
-"""The CIFAR and STL-10 paths, run on tiny fakes written in torchvision's on-disk formats.
+"""The CIFAR and STL-10 paths, run on tiny fakes written in torchvision's on-disk formats, and the
+generated --dataset textures.
 
 The real sets cannot be downloaded here, so each test writes a few images in the exact file layout
 torchvision reads (pickled CIFAR batches, STL-10's binary files) and disables only torchvision's
@@ -115,3 +116,34 @@ def test_stl10_pretrains_on_train_plus_unlabeled_and_evaluates_on_labelled_split
         96,
         96,
     )
+
+
+def test_textures_are_generated_from_the_seed():
+    """common.texture_images: the same seed gives the same images, another seed others; uint8
+    (N, 3, 20, 20), 400 training and 100 test images per class (tests/test_learning.py trains on
+    the same images, written to a folder)."""
+    (train, train_y), (test, test_y) = common.texture_images(0)
+    (again, again_y), _ = common.texture_images(0)
+    (other, _), _ = common.texture_images(1)
+    assert train.dtype == torch.uint8 and train.shape == (2000, 3, 20, 20) and test.shape[0] == 500
+    assert torch.equal(train, again) and torch.equal(train_y, again_y)
+    assert not torch.equal(train, other)
+    assert train_y.bincount().tolist() == [400] * 5 and test_y.bincount().tolist() == [100] * 5
+
+
+def test_textures_are_held_like_cifar_and_nothing_is_written(tmp_path, monkeypatch):
+    """--dataset textures: generated from --seed in memory and held on the device as CIFAR is
+    (eval_train is the training set); no file is written outside the run folder."""
+    monkeypatch.chdir(tmp_path)
+    args = simclr_dcl.parse_args(["--dataset", "textures", "--device", "cpu", "--seed", "3",
+                                  "--limit-train", "100", "--batch-size", "16"])
+    data = common.load_data(args, common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False))
+    (images, labels), (test, _) = common.texture_images(3)
+    assert torch.equal(data.train, images[:100]) and torch.equal(data.train_labels, labels[:100])
+    assert data.eval_train[0] is data.train and torch.equal(data.eval_test[0], test)
+    assert (data.num_classes, data.image_size, data.streaming) == (5, 20, False)
+    simclr_dcl.main(["--dataset", "textures", "--width", "8", "--epochs", "1", "--batch-size",
+                     "64", "--limit-train", "256", "--device", "cpu", "--linear-epochs", "1",
+                     "--out", "run"])
+    check_run_folder(tmp_path / "run", epochs=1)
+    assert os.listdir(tmp_path) == ["run"]

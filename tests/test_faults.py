@@ -44,9 +44,10 @@ def temp_files(folder):
 
 def shown_lines(text):
     """The lines written besides the progress bars (which a terminal shows on one line, cleared
-    at the end of the epoch)."""
+    at the end of the epoch) and the start-up warnings (smoke runs end within the warm-up)."""
     lines = [line.split("\r")[-1] for line in text.split("\n")]
-    return [line for line in lines if line.strip() and not re.match(r"epoch \d+/\d+: ", line)]
+    return [line for line in lines if line.strip() and not re.match(r"epoch \d+/\d+: |warning: ",
+                                                                     line)]
 
 
 def script(argv, stderr, before=None):

@@ -2,10 +2,11 @@
 same network untrained, and the GSG paper's collapse claim shows without a predictor.
 
 The identity tests call the loss functions; these call each script's `main()` in this process, so
-they notice a training step that stops the network from learning. Data:
-helpers.texture_image_folder (5 texture classes, 2,000 training and 500 validation images of
-20 px, written once per session). Network: ResNet-18 at width 8 with 256-64 heads, batch 32,
-2-4 epochs (125-250 steps), seed 2, one CPU thread: every run is deterministic.
+they notice a training step that stops the network from learning. Data: --dataset textures's
+images (common.texture_images, seed 0: 5 texture classes, 2,000 training and 500 validation
+images of 20 px), written once per session as an image folder by helpers.texture_image_folder.
+Network: ResNet-18 at width 8 with 256-64 heads, batch 32, 2-4 epochs (125-250 steps), seed 2,
+one CPU thread: every run is deterministic.
 
 The settings are this file's choices for runs of a few hundred steps, not the papers': no warm-up,
 --lr 0.3 per 256 images (1.0 for MoCo v2 and SimMoCo, 0.6 for SimSiam and BYOL, which learn

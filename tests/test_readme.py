@@ -63,6 +63,20 @@ def idea_rows():
     return rows
 
 
+def test_the_quick_start_opens_with_a_textures_run_of_every_script():
+    """Its first commands: T (--dataset textures, a warm-up shorter than the run) and one run of
+    each script on it, which parses; each line names the kNN untrained -> trained it reaches."""
+    lines = section(readme(), "## Quick start").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("T="))
+    t = " ".join(lines[start:start + 2]).split('"')[1].replace("\\", "").split()
+    runs = [line.split("#")[0].split() for line in lines[start + 2:start + 6]]
+    assert [run[:3] for run in runs] == [["python", f"{s}.py", "$T"] for s in SCRIPTS]
+    for run in runs:
+        args = importlib.import_module(run[1][:-3]).parse_args(t + run[3:])
+        assert args.dataset == "textures" and args.epochs > args.warmup_epochs
+    assert all(re.search(r"kNN [\d.]+ -> [\d.]+", line) for line in lines[start + 2:start + 6])
+
+
 def test_where_each_idea_lives_has_a_row_per_paper_identity():
     ideas = [idea for idea, _, _ in idea_rows()]
     for words in IDEAS:
