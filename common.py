@@ -452,6 +452,7 @@ def extract_features(backbone, split, data, ctx, workers=0, unit=True):
     labels = torch.full((share,), -1, dtype=torch.long, device=device)
     mean, std = (torch.tensor(t, device=device) for t in (data.mean, data.std))  # copied once
     backbone.eval()
+    batches = tqdm(batches, "features", -(-(hi - lo) // 256), leave=False, disable=ctx.rank != 0)
     for i, (images, y) in enumerate(batches):  # batches of 256; pinned: copies without a wait
         images, y = images.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if data.whole and held:  # image files held whole: the view streamed
@@ -517,7 +518,7 @@ def protocol_settings(protocol, epochs=None, lr=None, batch=None):
 def train_linear(classifier, optimizer, batches, epochs, lr=None, scheduler=None, world=1):
     """The probes' loop: per epoch the lr set to lr(epoch) if given, then a cross-entropy step on
     each (features, labels) of batches(epoch), stepping `scheduler`; gradient: the global mean."""
-    for epoch in range(epochs):
+    for epoch in tqdm(range(epochs), "linear probe", leave=False, disable=rank() != 0):
         for group in optimizer.param_groups if lr else ():
             group["lr"] = lr(epoch)
         for features, y in batches(epoch):

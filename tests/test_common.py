@@ -746,3 +746,11 @@ def test_the_progress_bar_moves_every_step_of_a_short_epoch():
             seen.append(meter.bar.n)
         meter.summary()
         assert seen == [0] * (every - 1) + [every], (steps, seen)
+
+
+def test_the_final_evaluation_shows_its_progress(tiny_folder, tmp_path, capsys):
+    """The kNN monitor's feature passes and the final linear probe's epochs each show a progress
+    bar (on ImageNet they take hours; before, nothing moved once the epoch's bar closed)."""
+    simclr_dcl.main(smoke_args(tiny_folder, tmp_path, "--linear-epochs", "2"))
+    err = capsys.readouterr().err
+    assert "features:" in err and "linear probe:" in err
