@@ -6,8 +6,8 @@ untrained row (--epochs 0). --paper NAME: that paper's rows, settings and protoc
 ours over --seeds runs beside each published number and its source, and the difference; where an
 option changes the paper's settings, each line says "not comparable" instead of a difference.
 
-    python benchmarks/compare.py --dataset imagefolder --data-dir D --epochs 2 --width 8 \
-        --device cpu --jobs 2                                       # CPU: 2 runs side by side
+    python benchmarks/compare.py --dataset textures --epochs 2 --width 8 --device cpu \
+        --jobs 2                                                    # CPU: 2 runs side by side
     python benchmarks/compare.py --nproc 8 --dataset cifar100       # each run on 8 GPUs (torchrun)
     python benchmarks/compare.py --paper gsg --gpus 0,1,2,3          # 12 runs, 4 at a time
     python benchmarks/compare.py --paper dt --dataset imagefolder --data-dir D --image-size 8 \
