@@ -1,28 +1,22 @@
 """Shared infrastructure for the four method files; no loss, head or training step lives here.
 
 Part 1, what the methods build on (read it next to a method file):
-  processes and gathers         Context, gather_with_grad (an all-gather whose backward hands each
-                                rank its rows' gradient), gather, all_reduce_sum, GlobalBatchNorm,
-                                sync_batchnorm, distribute, float32
-  ResNet                        torchvision's blocks and names at any width; CIFAR stem <= 64 px
-  augmentation                  Recipe, Augment (per-sample parameters, batched on the device),
-                                then its ops in the order it applies them: sample_crop_boxes,
-                                resized_crop_flip, colour_jitter (four ops, a random order per
-                                image), gaussian_blur, then torchvision's solarize, normalize
-  data order and batches        epoch_generators, train_batches
-  evaluation                    extract_features, knn_accuracy, linear_probe (this project's fast
-                                probe) and linear_probe_augmented (the authors' LINEAR_PROTOCOLS),
-                                one loop: train_linear; OnlineProbe, online_probes, evaluate
-  learning rate and optimisers  learning_rate, LARS, pretraining_optimizer
+  processes and gathers    Context, gather_with_grad (an all-gather whose backward hands each rank
+                           its rows' gradient), gather, all_reduce_sum, GlobalBatchNorm, distribute
+  ResNet                   torchvision's blocks and names at any width; CIFAR stem <= 64 px
+  augmentation             Recipe, Augment (per-sample parameters, batched on the device), then its
+                           ops in order: sample_crop_boxes, resized_crop_flip, colour_jitter (a
+                           random order of four ops per image), gaussian_blur, solarize, normalize
+  data order and batches   epoch_generators, train_batches
+  evaluation               extract_features, knn_accuracy, linear_probe (this project's) and
+                           linear_probe_augmented (the authors'), OnlineProbe, evaluate
+  optimisers               learning_rate, LARS, pretraining_optimizer
 Part 2, plumbing that changes nothing a method computes:
-  errors                        UserError, run (one `error:` line; Ctrl-C: how to resume)
-  command line and resume       add_common_args, parse_args (a resume parses the recorded command
-                                line again), setup
-  epoch log                     EpochMeter, check_finite, log_epoch
-  run folder and checkpoints    hold_run_folder (the lock), write_atomic, start_run,
-                                save_checkpoint, load_checkpoint, finish
-  data loading and checks       load_data, texture_images, torchvision_split, image_folder,
-                                ImageFiles, decode
+  errors and command line  UserError, run, add_common_args, parse_args (a resume parses the recorded
+                           command line again), setup
+  epoch log and run folder EpochMeter, log_epoch, hold_run_folder (the lock), write_atomic,
+                           start_run, save_checkpoint, load_checkpoint, finish
+  data                     load_data, texture_images, torchvision_split, image_folder, ImageFiles
 """
 import argparse
 import contextlib
@@ -50,9 +44,8 @@ from torchvision.transforms.functional import rgb_to_grayscale as grayscale  # t
 from torchvision.models.resnet import BasicBlock, Bottleneck
 from tqdm import tqdm
 
-# torchvision imports torch._dynamo, which, imported after init_process_group, keeps the default
-# group alive past destroy_process_group (torch 2.14): gloo's threads outlive it and can abort
-# Python's exit ("terminate called without an active exception"). Never import it after setup().
+# torchvision imports torch._dynamo, which, imported after init_process_group, keeps gloo's threads
+# alive past destroy_process_group and can abort Python's exit (torch 2.14): import it before setup.
 
 
 # ==================================================================================================
@@ -509,12 +502,6 @@ LINEAR_PROTOCOLS = {
 }
 
 
-def protocol_settings(protocol, epochs=None, lr=None, batch=None):
-    """(epochs, lr per 256 images, batch) of a LINEAR_PROTOCOLS entry, each replaced where given."""
-    given, own = dict(epochs=epochs, lr=lr, batch=batch), LINEAR_PROTOCOLS[protocol]
-    return tuple(own[k] if v is None else v for k, v in given.items())
-
-
 def train_linear(classifier, optimizer, batches, epochs, lr=None, scheduler=None, world=1):
     """The probes' loop: per epoch the lr set to lr(epoch) if given, then a cross-entropy step on
     each (features, labels) of batches(epoch), stepping `scheduler`; gradient: the global mean."""
@@ -564,11 +551,11 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed
 def linear_probe_augmented(backbone, data, ctx, protocol="gsg-cifar", epochs=None, lr=None,
                            batch=None, seed=0, workers=0):
     """An authors' probe (LINEAR_PROTOCOLS; epochs, lr, batch: the protocol's unless given): a
-    linear layer, weight N(0, 0.01), bias 0, on the frozen backbone (eval mode, no gradient) trained
-    on RandomResizedCrop + flip views of the labelled training split (a streamed folder's cropped
-    by DataLoader workers), momentum 0.9, no weight decay, the lr set per epoch -> test top-1 %."""
-    own, (epochs, lr, batch) = LINEAR_PROTOCOLS[protocol], protocol_settings(protocol, epochs, lr,
-                                                                               batch)
+    linear layer, weight N(0, 0.01), bias 0, on the frozen backbone (eval mode) trained on crop +
+    flip views of the labelled training split, momentum 0.9, no weight decay -> test top-1 %."""
+    own = LINEAR_PROTOCOLS[protocol]
+    epochs, lr, batch = (own[k] if v is None else v
+                         for k, v in zip(("epochs", "lr", "batch"), (epochs, lr, batch)))
     if data.streaming:  # one random crop and flip per image, by the workers
         samples = data.eval_train.samples
         images = ImageFiles(samples, data.image_size, crops=1, scale=(0.08, 1.0))
@@ -683,23 +670,23 @@ def evaluate(backbone, data, ctx, args, final=False, probes=None):
     if final:  # the method: the script and the options that choose it
         flags = [f"--{k} {getattr(args, k)}" for k in ("loss", "method", "stopgrad")
                  if hasattr(args, k)]
-        result = {"method": " ".join([f"{RUN['script']}.py", *flags]), **result}
-        result.update(knn_k=args.knn_k, knn_k1_top1=knn(1), epochs=args.epochs)
-        protocol = args.linear_protocol
-        epochs, lr, batch = protocol_settings(protocol, args.linear_epochs, args.linear_lr,
-                                              args.linear_batch)
-        if epochs and protocol == "fixed":
-            linear = linear_probe(train_f, train_y, test_f, test_y, data.num_classes, epochs,
-                                  args.seed, batch, lr)
-        elif epochs:
-            linear = linear_probe_augmented(backbone, data, ctx, protocol, epochs, lr, batch,
-                                            args.seed, args.workers)
-        if epochs:
+        result = {"method": " ".join([f"{RUN['script']}.py", *flags]), **result,
+                  "knn_k": args.knn_k, "knn_k1_top1": knn(1), "epochs": args.epochs}
+        protocol, given = args.linear_protocol, dict(epochs=args.linear_epochs, lr=args.linear_lr,
+                                                     batch=args.linear_batch)
+        settings = {k: LINEAR_PROTOCOLS[protocol][k] if v is None else v for k, v in given.items()}
+        if settings["epochs"] and protocol == "fixed":
+            linear = linear_probe(train_f, train_y, test_f, test_y, data.num_classes,
+                                  seed=args.seed, **settings)
+        elif settings["epochs"]:
+            linear = linear_probe_augmented(backbone, data, ctx, protocol, seed=args.seed,
+                                            workers=args.workers, **settings)
+        if settings["epochs"]:
             result.update(linear_top1=linear, linear_protocol=protocol)
     return result
 
 
-# --------------------------------------------------------------------- learning rate and optimisers
+# --------------------------------------------------------------------------------------- optimisers
 def learning_rate(step, total_steps, warmup_steps, peak, schedule="cosine"):
     """Linear warm-up to `peak`, then cosine decay to 0 (or constant)."""
     if step < warmup_steps:
@@ -779,7 +766,7 @@ def pretraining_optimizer(groups, args, ctx, lr):
 # ==================================================================================================
 # Part 2: plumbing that changes nothing a method computes
 # ==================================================================================================
-# ------------------------------------------------------------------------------------------- errors
+# -------------------------------------------------------------------------- errors and command line
 class UserError(Exception):
     """A problem the user can fix: printed as one line, exit status 2, no traceback."""
 
@@ -812,7 +799,6 @@ def run(main):
             dist.destroy_process_group()
 
 
-# -------------------------------------------------------------------------- command line and resume
 def checked(convert, test, what):
     """An argparse type: `convert` the text, refused unless `test` passes ("must be `what`")."""
     def parse(text):
@@ -983,7 +969,7 @@ def setup(args):
     return Context(rank, world, local_rank, device, args.out, amp)
 
 
-# ---------------------------------------------------------------------------------------- epoch log
+# ------------------------------------------------------------------------- epoch log and run folder
 class EpochMeter:
     """The progress bar (loss, lr, images/s; the host waits only every `every` steps) and, from
     summary(), each scalar's mean over steps and ranks."""
@@ -1035,7 +1021,6 @@ def log_epoch(ctx, record):
                             for k, v in record.items()))
 
 
-# ----------------------------------------------------------------------- run folder and checkpoints
 LOCKS = {}  # run folder (its real path) -> the open OUT/.lock whose flock this process holds
 
 
@@ -1181,7 +1166,7 @@ def finish(ctx, backbone, results):
                                     for k, v in results.items()) + f"\nwritten to {path}")
 
 
-# -------------------------------------------------------------------------- data loading and checks
+# --------------------------------------------------------------------------------------------- data
 STATS = {"cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
          "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
          "stl10": ((0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)),
