@@ -161,12 +161,10 @@ def distribute(model, ctx):
     if ctx.world == 1:
         return model
     # global BatchNorm keeps the buffers equal on every rank: nothing to broadcast each step
-    # (torch 2.14 renamed broadcast_buffers to forward_sync_buffers)
-    ddp = nn.parallel.DistributedDataParallel
-    no_sync = {"forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters
-               else "broadcast_buffers": False}
+    ddp, sync = nn.parallel.DistributedDataParallel, "forward_sync_buffers"  # torch < 2.14:
+    sync = sync if sync in inspect.signature(ddp).parameters else "broadcast_buffers"  # its name
     return ddp(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-               **no_sync)
+               **{sync: False})
 
 
 def to_device(t, device):
@@ -182,11 +180,10 @@ def float32(t):
 
 # ------------------------------------------------------------------------------------------- ResNet
 class ResNet(nn.Module):
-    """ResNet-18/34/50 backbone: image (B, 3, S, S) -> features (B, out_dim), no classifier.
-    Written out so that `width` (--width) can shrink every layer; blocks and names are torchvision's
-    (at width 64 the weights load into its resnet, fc dropped). Up to 64 px the CIFAR stem (3x3
-    stride-1 conv, no max-pool): the ImageNet one would shrink 32 px to 8 before layer1. Its
-    `stem_padding` 1 keeps 32 x 32 maps; the DT and solo-learn code's 2 makes them 34 x 34."""
+    """ResNet-18/34/50 backbone: (B, 3, S, S) -> features (B, out_dim), no classifier; torchvision's
+    blocks and names at any `width` (at 64 its resnet loads the weights, fc dropped). Up to 64 px
+    the CIFAR stem, a 3x3 stride-1 conv without max-pool (the ImageNet stem would shrink 32 px to
+    8); `stem_padding` 1 keeps 32 x 32 maps, the DT and solo-learn code's 2 makes 34 x 34."""
     LAYERS = {"resnet18": (BasicBlock, [2, 2, 2, 2]), "resnet34": (BasicBlock, [3, 4, 6, 3]),
               "resnet50": (Bottleneck, [3, 4, 6, 3])}
 
@@ -321,12 +318,10 @@ def resized_crop_flip(x, top, left, h, w, flip, size):
 
 
 def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
-    """torchvision's ColorJitter on a batch: image i with its own factors (B,) and its own order
-    of the four ops, order[i] (B, 4) by index: 0 brightness, 1 contrast, 2 saturation, 3 hue (None:
-    that order for all). Factor 1 (hue: shift 0, or None to skip it) leaves the image unchanged.
-    The first three are blends (blend_op): each image's ops before hue fill three blend slots (one
-    it lacks blends with factor 1), then hue, then three slots after it. One code path for every
-    order and no host sync (grouping the images by op would read the group sizes on the host)."""
+    """torchvision's ColorJitter on a batch: image i with its own factors (B,) and order of the four
+    ops, order[i] (B, 4): 0 brightness, 1 contrast, 2 saturation, 3 hue (None: that order for all;
+    hue None: skipped). The three blends (blend_op) before hue fill three slots (an empty slot
+    blends with factor 1), then hue, then three slots after it: no host sync for any order."""
     b = len(x)
     order = torch.arange(4, device=x.device).expand(b, 4) if order is None else order
     slots = torch.arange(3, device=x.device).expand(b, 3)  # (B, 3)
@@ -556,20 +551,14 @@ def linear_probe_augmented(backbone, data, ctx, protocol="gsg-cifar", epochs=Non
     own = LINEAR_PROTOCOLS[protocol]
     epochs, lr, batch = (own[k] if v is None else v
                          for k, v in zip(("epochs", "lr", "batch"), (epochs, lr, batch)))
-    if data.streaming:  # one random crop and flip per image, by the workers
-        samples = data.eval_train.samples
-        images = ImageFiles(samples, data.image_size, crops=1, scale=(0.08, 1.0))
-        labels = torch.tensor([y for _, y in samples], device=ctx.device)
-    else:
-        images, labels = data.eval_train  # labelled: batches drawn as pre-training draws its own
-    probe_set = replace(data, train=images, train_labels=labels)
+    images, labels = data.eval_train if not data.streaming else (  # streamed: workers crop + flip
+        ImageFiles(data.eval_train.samples, data.image_size, crops=1), data.train_labels)
+    probe_set = replace(data, train=images, train_labels=labels)  # drawn as pre-training's batches
     batch = max(1, min(batch, len(labels)) // ctx.world) * ctx.world  # a multiple of the processes
     peak = lr * batch / 256
     classifier = linear_classifier(backbone.out_dim, data.num_classes, ctx.device, seed, std=0.01)
-    if own["optimizer"] == "lars":
-        optimizer = LARS(classifier.parameters(), peak, momentum=0.9, eta=0.001)
-    else:
-        optimizer = torch.optim.SGD(classifier.parameters(), lr=peak, momentum=0.9)
+    optimizer = LARS(classifier.parameters(), peak, momentum=0.9, eta=0.001) \
+        if own["optimizer"] == "lars" else torch.optim.SGD(classifier.parameters(), peak, 0.9)
     augment = Augment([Recipe(jitter=(0, 0, 0, 0), gray_p=0)], data.image_size, data.mean,
                       data.std, ctx)  # held images: crop + flip here; streamed: normalise only
 
@@ -588,22 +577,18 @@ def linear_probe_augmented(backbone, data, ctx, protocol="gsg-cifar", epochs=Non
     was_training = backbone.training
     backbone.eval()  # frozen: BatchNorm normalises with, and keeps, its running statistics
     train_linear(classifier, optimizer, batches, epochs, lr=lr_at, world=ctx.world)
-    backbone.train(was_training)
-    test_f, test_y = extract_features(backbone, data.eval_test, data, ctx, workers, unit=False)
-    # features as in training: bf16 backbone, float32 classifier
-    return top1(lambda f: classifier(f.float()), test_f, test_y)
+    test_f, test_y = extract_features(backbone.train(was_training), data.eval_test, data, ctx,
+                                      workers, unit=False)
+    return top1(lambda f: classifier(f.float()), test_f, test_y)  # float32, as in training
 
 
 class OnlineProbe:
-    """The online linear classifier of the DT authors' solo-learn fork (ChaoningZhang/Dual-
-    temperature solo/methods/base.py lines 246, 335-343, 424-447; today's solo-learn scales its
-    lr by the batch): nn.Linear on the detached backbone features of each training view,
-    cross-entropy without the unlabelled (-1), SGD momentum 0.9 (solo/args/utils.py line 204),
-    lr 0.3 whatever the batch (bash_files/*.sh --classifier_lr; utils.py line 212 scales only
-    --lr), no weight decay, the pre-training's warm-up and cosine. A forward hook keeps the
-    backbone's outputs in train mode (every view's: base.py lines 475, 482), so the step computes
-    what it computes without the probe, and no second backbone pass runs. Its gradient is the mean
-    over the global batch's labelled views; its result is `name`."""
+    """The DT authors' online linear classifier (ChaoningZhang/Dual-temperature solo/methods/base.py
+    lines 246, 335-343, 424-447): nn.Linear on the detached features of every training view
+    (a forward hook in train mode: base.py lines 475, 482; no second backbone pass), cross-entropy
+    without the unlabelled (-1), mean over the global batch, SGD momentum 0.9 (solo/args/utils.py
+    line 204), lr 0.3 unscaled by the batch (bash_files/*.sh --classifier_lr; utils.py line 212
+    scales only --lr), no weight decay, the pre-training's schedule; its result is `name`."""
 
     def __init__(self, backbone, num_classes, ctx, seed, name="online_top1", lr=0.3):
         self.backbone, self.name, self.lr, self.features = backbone, name, lr, []
@@ -698,16 +683,11 @@ def learning_rate(step, total_steps, warmup_steps, peak, schedule="cosine"):
 
 
 class LARS(torch.optim.Optimizer):
-    """SGD with momentum and LARS's layer-wise trust ratio (You et al. 2017), per parameter tensor:
-
+    """SGD with momentum and LARS's trust ratio (You et al. 2017) per tensor; adapt=False: r = 1.
         g' = g + wd * w,   r = eta * ||w|| / ||g'||   (r = 1 where ||w|| or ||g'|| is 0)
-        with `clip`: r = min(r / lr, 1)   (the tensor's lr eta ||w|| / ||g'|| never exceeds lr)
-        buf <- momentum * buf + r * g',   w <- w - lr * buf
-
-    r as google-research/simclr lars_optimizer.py lines 98-110 (eta 0.001, its line 26; the LARS
-    paper and solo-learn's solo/utils/lars.py line 142 divide by ||g|| + wd ||w|| instead); the
-    clip and the momentum, lr outside the buffer, as solo-learn's lars.py lines 145-165 and torch's
-    SGD. A group with adapt=False takes plain SGD steps (r = 1): see optimizer_groups."""
+        with `clip`: r = min(r / lr, 1),   buf <- momentum * buf + r * g',   w <- w - lr * buf
+    r as google-research/simclr lars_optimizer.py lines 98-110 (eta 0.001: its line 26; solo-learn's
+    lars.py line 142 divides by ||g|| + wd ||w||); clip and momentum as its lines 145-165."""
 
     def __init__(self, params, lr, momentum=0.9, weight_decay=0.0, eta=0.001, clip=False):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
@@ -736,10 +716,9 @@ class LARS(torch.optim.Optimizer):
 
 
 def optimizer_groups(groups, lars):
-    """Parameters (or param-group dicts) -> param groups. For LARS, each group's batch-norm and bias
-    parameters (the 1-D tensors) go into a group of their own without weight decay or trust ratio,
-    as SimCLR (tf2/model.py lines 40-42: exclude_from_weight_decay=['batch_normalization', 'bias'],
-    also for the adaptation) and solo-learn (lars.py line 140, exclude_bias_n_norm) do."""
+    """Parameters (or param-group dicts) -> param groups; for LARS each group's 1-D tensors (batch
+    norm, bias) in a group of their own without weight decay or trust ratio, as SimCLR's
+    tf2/model.py lines 40-42 and solo-learn's lars.py line 140 (exclude_bias_n_norm)."""
     groups = list(groups)
     groups = groups if isinstance(groups[0], dict) else [{"params": groups}]
     if not lars:
@@ -776,8 +755,7 @@ RUN = {"out": None, "argv": None, "script": None}  # this process's (parse_args)
 
 def run(main):
     """Call `main()`: a UserError or an OSError (a full disk, a read-only folder) is one `error:`
-    line, exit status 2; Ctrl-C one line naming --resume, exit status 130. (SIGTERM ends the
-    process at once: exit status 143.)"""
+    line, exit status 2; Ctrl-C one line naming --resume, 130 (SIGTERM ends it at once: 143)."""
     rank = int(os.environ.get("RANK", 0))  # set before any process group exists
     try:
         main()
