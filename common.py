@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import fcntl
 import inspect
+import io
 import json
 import math
 import os
@@ -750,7 +751,7 @@ class UserError(Exception):
     """A problem the user can fix: printed as one line, exit status 2, no traceback."""
 
 
-RUN = {"out": None, "argv": None, "script": None}  # this process's (parse_args)
+RUN = {"out": None, "argv": None, "script": None, "metrics": []}  # this process's
 
 
 def run(main):
@@ -796,16 +797,17 @@ momentum_value = checked(float, lambda m: 0 <= m < 1, "in [0, 1)")  # EMA: t <- 
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """--help keeps the usage docstring's layout and shows every default, once."""
+    """--help keeps the usage docstring's layout and shows every default once (a help text that
+    gives its own keeps it)."""
 
-    def _get_help_string(self, action):  # a help text that gives its own default keeps it
+    def _get_help_string(self, action):
         own = "default" in (action.help or "")
         return action.help if own else super()._get_help_string(action)
 
 
 def add_common_args(parser):
     """The shared options; each method file sets its batch, epochs, lr, wd, warm-up, crop."""
-    a = parser.add_argument
+    a, on_off = parser.add_argument, argparse.BooleanOptionalAction
     a("--dataset", choices=["cifar10", "cifar100", "stl10", "imagefolder", "textures"],
       default="cifar10", help="imagefolder reads DATA_DIR/train/<class>/* and DATA_DIR/val/"
       "<class>/*; textures: 5 generated classes, 2,000 + 500 images of 20 px (a CPU demo)")
@@ -828,7 +830,7 @@ def add_common_args(parser):
     a("--optimizer", choices=["sgd", "lars"], default="sgd", help="SGD momentum 0.9, or LARS "
       "(common.LARS: batch-norm and bias parameters without weight decay and trust ratio)")
     a("--lars-eta", type=positive_float, default=0.001, help="LARS trust coefficient (SimCLR's)")
-    a("--lars-clip", action=argparse.BooleanOptionalAction, default=False,
+    a("--lars-clip", action=on_off, default=False,
       help="LARS: a tensor's lr never exceeds the scheduled lr (solo-learn's clip_lr)")
     a("--crop-scale", type=float, nargs=2, metavar=("MIN", "MAX"), help="random crop's area range")
     a("--out", help="run folder (default runs/<script>-<time>-<process id>)")
@@ -837,8 +839,8 @@ def add_common_args(parser):
     a("--eval-every", type=positive_int, default=10, help="kNN monitor every N epochs (and last)")
     a("--knn-k", type=positive_int, default=200, help="neighbours of the kNN monitor")
     a("--knn-t", type=positive_float, default=0.1, help="temperature of the weighted kNN vote")
-    a("--online-probe", action=argparse.BooleanOptionalAction, default=False, help="the DT "
-      "authors' online linear classifiers on the training views' features (and momentum encoder's)")
+    a("--online-probe", action=on_off, default=False, help="the DT authors' online linear "
+      "classifiers on the training views' features (and the momentum encoder's)")
     a("--linear-protocol", choices=list(LINEAR_PROTOCOLS), default="fixed", help="the final "
       "probe on the frozen backbone: fixed = this project's, AdamW on fixed features; on crop+flip "
       "views: gsg-cifar (GSG Sec. 5.1; its views are this project's assumption), moco and "
@@ -849,10 +851,8 @@ def add_common_args(parser):
     a("--seed", type=seed_value, default=0, help="seed of model init, data order, augmentation")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu",
       help="cuda, cuda:N or cpu (under torchrun, cuda means cuda:LOCAL_RANK)")
-    a("--amp", action=argparse.BooleanOptionalAction, help="bf16 autocast (default: where the GPU "
-      "has native bf16)")
-    a("--compile", action=argparse.BooleanOptionalAction, default=False,
-      help="torch.compile the model")
+    a("--amp", action=on_off, help="bf16 autocast (default: where the GPU has native bf16)")
+    a("--compile", action=on_off, default=False, help="torch.compile the model")
 
 
 # The options --resume may change; every other one comes from the run's recorded command line.
@@ -867,33 +867,31 @@ def parse_args(parser, argv, script):
     option read otherwise than recorded (a default changed since the run) is refused."""
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args, RUN["script"] = parse(parser, argv), script
-    if args.resume is None:
-        # the process id keeps apart runs started in the same second (rank 0's names the folder)
-        default = f"{script}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        args.out = args.out or os.path.join("runs", default)
+    if args.resume is None:  # the process id keeps apart runs started in the same second
+        stamp = f"{script}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        args.out = args.out or os.path.join("runs", stamp)
         refuse_a_held_folder(args.out)  # checked again under the folder's lock (start_run)
-        RUN.update(out=args.out, argv=argv)
+        RUN.update(out=args.out, argv=argv, metrics=[])
         return args
     run = os.path.dirname(args.resume) if args.resume.endswith(".pt") else args.resume
     path = os.path.join(run, "config.json")
     try:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
-        if config["script"] != script:
-            raise UserError(f"--resume {run}: that run was made by {config['script']}.py, not "
-                            f"{script}.py; start a new --out")
-        recorded, saved = list(map(str, config["argv"])), dict(config["args"])
+        made_by, recorded = config["script"], [str(a) for a in config["argv"]]
+        saved = dict(config["args"])
     except (OSError, ValueError, TypeError, KeyError):  # ValueError: not JSON, or not UTF-8
         raise UserError(f"--resume {run}: no readable config.json with its command line there; "
                         f"give a run folder of this project") from None
+    if made_by != script:
+        raise UserError(f"--resume {run}: that run was made by {made_by}.py, not {script}.py; "
+                        f"start a new --out")
     if args.out is not None and os.path.normpath(args.out) != os.path.normpath(run):
         raise UserError(f"--resume {run} writes into {run}; drop --out {args.out}")
     then, args = vars(parse(parser, recorded, path)), parse(parser, recorded + argv, path)
-    for key, value in vars(args).items():
-        option, value = f"--{key.replace('_', '-')}", json.loads(json.dumps(value))  # tuples: lists
-        if key in RESUMABLE or key == "out":
-            continue
-        if value != json.loads(json.dumps(then[key])):
+    for key in [key for key in vars(args) if key not in RESUMABLE | {"out"}]:
+        option, value = f"--{key.replace('_', '-')}", json.loads(json.dumps(vars(args)[key]))
+        if value != json.loads(json.dumps(then[key])):  # (json: tuples as lists)
             raise UserError(f"run {run} was trained with {option} {then[key]}, not {value}; drop "
                             f"that option to continue it, or start a new --out")
         if value is not None and value != saved.get(key, "missing"):  # None: set later (size)
@@ -929,14 +927,13 @@ def setup(args):
                         f"processes with at least 2 images per process")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise UserError(f"--device {args.device}: use cuda, cuda:N or cpu")
-    device = torch.device(args.device)
+    device, count = torch.device(args.device), torch.cuda.device_count()
+    if device.type == "cuda" and device.index is None:  # torchrun: a GPU per local rank; or the
+        device = torch.device("cuda", local_rank if count > 1 else 0)  # one GPU a process sees
+    if device.type == "cuda" and device.index >= count:
+        raise UserError(f"--device {args.device}, but {count} CUDA GPU(s) are visible here; use "
+                        f"--device {f'cuda:{count - 1}' if count else 'cpu'}")
     if device.type == "cuda":
-        count = torch.cuda.device_count()
-        if device.index is None:  # torchrun: a GPU per local rank; or the one GPU a process sees
-            device = torch.device("cuda", local_rank if count > 1 else 0)
-        if device.index >= count:
-            raise UserError(f"--device {args.device}, but {count} CUDA GPU(s) are visible here; "
-                            f"use --device {f'cuda:{count - 1}' if count else 'cpu'}")
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True
     if world > 1 and not dist.is_initialized():
@@ -953,8 +950,8 @@ class EpochMeter:
     summary(), each scalar's mean over steps and ranks."""
 
     def __init__(self, ctx, epoch, epochs, steps, images_per_step):
-        every = min(20, max(1, steps // 20))  # a short epoch's bar moves each step
-        self.ctx, self.epoch, self.every, self.images_per_step = ctx, epoch, every, images_per_step
+        self.ctx, self.epoch, self.images_per_step = ctx, epoch, images_per_step
+        self.every = min(20, max(1, steps // 20))  # a short epoch's bar moves each step
         self.sums, self.steps, self.lr = {}, 0, 0.0
         self.bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{epochs}", disable=ctx.rank != 0,
                         dynamic_ncols=True, leave=False)
@@ -989,12 +986,12 @@ def check_finite(record):
 
 
 def log_epoch(ctx, record):
-    """Add the epoch's line to metrics.jsonl (the file written again whole) and print it."""
+    """Add the epoch's line to the run's metrics (checkpoint.pt keeps them: a resume drops the
+    lines of epochs after its checkpoint), write metrics.jsonl whole and print the line."""
+    RUN["metrics"].append(record)
     if ctx.rank == 0:
-        path = os.path.join(ctx.out, "metrics.jsonl")
-        with open(path, "rb") as f:
-            lines = f.read()
-        write_atomic(path, lambda f: f.write(lines + (json.dumps(record) + "\n").encode()))
+        lines = "".join(json.dumps(r) + "\n" for r in RUN["metrics"])
+        write_atomic(os.path.join(ctx.out, "metrics.jsonl"), lines.encode())
         ctx.print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                             for k, v in record.items()))
 
@@ -1033,30 +1030,28 @@ def refuse_a_held_folder(out):  # a run that stopped before its first checkpoint
                         f"choose another --out")
 
 
-def write_atomic(path, write):
-    """A run folder's file whole or not at all: `write(f)` fills a temp file, flushed to disk, then
-    renamed over `path`; a kill or a full disk leaves the previous file (or none)."""
+def write_atomic(path, data):
+    """A run folder's file whole or not at all: `data` (bytes, or an object for torch.save) goes
+    to a temp file, flushed to disk, then renamed over `path`; a kill or a full disk leaves the
+    previous file (or none)."""
+    if not isinstance(data, bytes):
+        buffer = io.BytesIO()
+        torch.save(data, buffer)
+        data = buffer.getvalue()
     temp = path + ".tmp"
     try:
         with open(temp, "wb") as f:
-            write(f)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename: a power cut keeps one whole file
         os.replace(temp, path)
     except BaseException as error:
         with contextlib.suppress(OSError):
             os.remove(temp)
-        cause = error  # torch.save's writer turns a full disk's OSError into a RuntimeError
-        while cause is not None and not isinstance(cause, OSError):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
+        if not isinstance(error, OSError):
             raise
-        raise UserError(f"cannot write {path} ({cause.strerror}); the last good checkpoint is "
+        raise UserError(f"cannot write {path} ({error.strerror}); the last good checkpoint is "
                         f"kept: continue with --resume {os.path.dirname(path)}") from None
-
-
-def save_atomic(obj, path):
-    write_atomic(path, lambda f: torch.save(obj, f))
 
 
 def start_run(args, ctx, data, backbone):
@@ -1078,23 +1073,22 @@ def start_run(args, ctx, data, backbone):
     os.makedirs(ctx.out, exist_ok=True)
     hold_run_folder(ctx.out)
     refuse_a_held_folder(ctx.out)  # again: another run may have begun here since parse_args
-    # metrics.jsonl starts empty (a run stopped here before its first checkpoint left lines)
-    write_atomic(os.path.join(ctx.out, "metrics.jsonl"), lambda f: None)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     config = {"script": RUN["script"], "argv": RUN["argv"], "args": vars(args),
-              "world_size": ctx.world,
-              "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
-                           "git_commit": commit or None}}
-    write_atomic(os.path.join(ctx.out, "config.json"),
-                 lambda f: f.write(json.dumps(config, indent=2).encode()))
+              "world_size": ctx.world, "versions": {"python": sys.version.split()[0],
+                                                    "torch": torch.__version__,
+                                                    "git_commit": commit or None}}
+    write_atomic(os.path.join(ctx.out, "config.json"), json.dumps(config, indent=2).encode())
 
 
 def save_checkpoint(ctx, epoch, states):
-    """checkpoint.pt: the epochs done and each named state_dict (model, optimizer, queue, ...)."""
+    """checkpoint.pt: the epochs done, the metrics' lines and each named state_dict (model,
+    optimizer, queue, ...)."""
     if ctx.rank == 0:
         state = {name: s.state_dict() for name, s in states.items() if s is not None}
-        save_atomic({"epoch": epoch, **state}, os.path.join(ctx.out, "checkpoint.pt"))
+        write_atomic(os.path.join(ctx.out, "checkpoint.pt"),
+                     {"epoch": epoch, "metrics": RUN["metrics"], **state})
 
 
 def load_checkpoint(ctx, states):
@@ -1112,17 +1106,11 @@ def load_checkpoint(ctx, states):
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         for name, state in states.items():
             state is None or state.load_state_dict(checkpoint[name])
-        name, epoch = "epoch", int(checkpoint["epoch"])
+        name, epoch, RUN["metrics"] = "epoch", int(checkpoint["epoch"]), checkpoint["metrics"]
     except Exception as error:  # truncated, another project's, another model's
         raise UserError(f"{path}: {name} does not fit this run or is unreadable "
                         f"({type(error).__name__}: {' '.join(str(error).split())[:120]}); start a "
                         f"new --out") from None
-    if ctx.rank == 0:  # the lines of epochs after the checkpoint's (or half a line) go
-        metrics = os.path.join(ctx.out, "metrics.jsonl")
-        with open(metrics, "rb") as f:
-            lines = f.read().split(b"\n")[:-1]  # the last part: "" or a half-written line
-        write_atomic(metrics, lambda f: f.write(b"".join(
-            line + b"\n" for line in lines if json.loads(line)["epoch"] <= epoch)))
     ctx.print(f"resumed {ctx.out} at epoch {epoch}")
     return epoch
 
@@ -1136,8 +1124,8 @@ def finish(ctx, backbone, results):
     if os.path.exists(path):  # evaluated again
         path = os.path.join(ctx.out, f"eval-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json")
     if not os.path.exists(weights):
-        save_atomic({k: v.cpu() for k, v in backbone.state_dict().items()}, weights)
-    write_atomic(path, lambda f: f.write(json.dumps(results, indent=2).encode()))
+        write_atomic(weights, {k: v.cpu() for k, v in backbone.state_dict().items()})
+    write_atomic(path, json.dumps(results, indent=2).encode())
     lock = LOCKS.pop(os.path.realpath(ctx.out), None)  # closing the file drops its flock
     lock and lock.close()
     ctx.print("final: " + "  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"

@@ -319,7 +319,7 @@ def test_global_batchnorm_on_two_cpu_processes_equals_batchnorm_on_one(tmp_path)
 
 def test_crash_mid_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     path = str(tmp_path / "checkpoint.pt")
-    common.save_atomic({"epoch": 1, "w": torch.ones(3)}, path)
+    common.write_atomic(path, {"epoch": 1, "w": torch.ones(3)})
 
     def crash(obj, f, *a, **k):  # f: the open temp file
         f.write(b"half a checkpoint")
@@ -327,7 +327,7 @@ def test_crash_mid_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
-        common.save_atomic({"epoch": 2, "w": torch.zeros(3)}, path)
+        common.write_atomic(path, {"epoch": 2, "w": torch.zeros(3)})
     monkeypatch.undo()
     kept = torch.load(path)
     assert kept["epoch"] == 1 and torch.equal(kept["w"], torch.ones(3))
