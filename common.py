@@ -797,8 +797,7 @@ momentum_value = checked(float, lambda m: 0 <= m < 1, "in [0, 1)")  # EMA: t <- 
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """--help keeps the usage docstring's layout and shows every default once (a help text that
-    gives its own keeps it)."""
+    """--help keeps the usage docstring's layout and shows each default once (a help's own)."""
 
     def _get_help_string(self, action):
         own = "default" in (action.help or "")
@@ -870,7 +869,6 @@ def parse_args(parser, argv, script):
     if args.resume is None:  # the process id keeps apart runs started in the same second
         stamp = f"{script}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         args.out = args.out or os.path.join("runs", stamp)
-        refuse_a_held_folder(args.out)  # checked again under the folder's lock (start_run)
         RUN.update(out=args.out, argv=argv, metrics=[])
         return args
     run = os.path.dirname(args.resume) if args.resume.endswith(".pt") else args.resume
@@ -1000,9 +998,8 @@ LOCKS = {}  # run folder (its real path) -> the open OUT/.lock whose flock this 
 
 
 def hold_run_folder(out):
-    """One process at a time runs or resumes a folder: an exclusive flock on OUT/.lock, which the
-    kernel drops when the process ends, however it ends. A temp file found then is a killed
-    write's: removed."""
+    """One process at a time runs or resumes a folder: an exclusive flock on OUT/.lock, dropped when
+    the process ends, however it ends. A temp file found then is a killed write's: removed."""
     if os.path.realpath(out) in LOCKS:  # a run and its resume in one Python session
         return
     f = open(os.path.join(out, ".lock"), "a+", encoding="utf-8")
@@ -1024,16 +1021,9 @@ def hold_run_folder(out):
             os.remove(os.path.join(out, name))
 
 
-def refuse_a_held_folder(out):  # a run that stopped before its first checkpoint may start again
-    if any(os.path.exists(os.path.join(out, name)) for name in ("checkpoint.pt", "results.json")):
-        raise UserError(f"--out {out} already holds a run: continue it with --resume {out}, or "
-                        f"choose another --out")
-
-
 def write_atomic(path, data):
-    """A run folder's file whole or not at all: `data` (bytes, or an object for torch.save) goes
-    to a temp file, flushed to disk, then renamed over `path`; a kill or a full disk leaves the
-    previous file (or none)."""
+    """A run folder's file whole or not at all: `data` (bytes, or an object to torch.save) to a temp
+    file, flushed to disk, renamed over `path`; a kill or a full disk leaves the previous file."""
     if not isinstance(data, bytes):
         buffer = io.BytesIO()
         torch.save(data, buffer)
@@ -1071,20 +1061,20 @@ def start_run(args, ctx, data, backbone):
     if ctx.rank != 0 or args.resume:
         return
     os.makedirs(ctx.out, exist_ok=True)
-    hold_run_folder(ctx.out)
-    refuse_a_held_folder(ctx.out)  # again: another run may have begun here since parse_args
+    hold_run_folder(ctx.out)  # no other run can begin here now; one stopped in epoch 1 restarts
+    if any(os.path.exists(os.path.join(ctx.out, f)) for f in ("checkpoint.pt", "results.json")):
+        raise UserError(f"--out {ctx.out} already holds a run: continue it with --resume "
+                        f"{ctx.out}, or choose another --out")
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    versions = {"python": sys.version.split()[0], "torch": torch.__version__, "git_commit": commit}
     config = {"script": RUN["script"], "argv": RUN["argv"], "args": vars(args),
-              "world_size": ctx.world, "versions": {"python": sys.version.split()[0],
-                                                    "torch": torch.__version__,
-                                                    "git_commit": commit or None}}
+              "world_size": ctx.world, "versions": versions}
     write_atomic(os.path.join(ctx.out, "config.json"), json.dumps(config, indent=2).encode())
 
 
 def save_checkpoint(ctx, epoch, states):
-    """checkpoint.pt: the epochs done, the metrics' lines and each named state_dict (model,
-    optimizer, queue, ...)."""
+    """checkpoint.pt: the epochs done, the metrics' lines, each state_dict (model, queue, ...)."""
     if ctx.rank == 0:
         state = {name: s.state_dict() for name, s in states.items() if s is not None}
         write_atomic(os.path.join(ctx.out, "checkpoint.pt"),
@@ -1095,10 +1085,8 @@ def load_checkpoint(ctx, states):
     """Take the run folder (its lock), load each state from checkpoint.pt -> the epochs done."""
     if ctx.rank == 0:
         hold_run_folder(ctx.out)
-    path, results = (os.path.join(ctx.out, name) for name in ("checkpoint.pt", "results.json"))
+    path = os.path.join(ctx.out, "checkpoint.pt")
     if not os.path.exists(path):
-        if os.path.exists(results) and json.load(open(results)).get("epochs") == 0:
-            return 0  # an --epochs 0 run: the untrained network, evaluated again
         raise UserError(f"{ctx.out} has no checkpoint.pt (its first epoch never ended); start it "
                         f"again with --out {ctx.out}")
     name = "the file"
