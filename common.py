@@ -1,15 +1,11 @@
 """Shared infrastructure for the four method files; no loss, head or training step lives here.
 
 Part 1, what the methods build on (read it next to a method file):
-  processes and gathers    Context, gather_with_grad (an all-gather whose backward hands each rank
-                           its rows' gradient), gather, all_reduce_sum, GlobalBatchNorm, distribute
+  processes and gathers    Context, gather(_with_grad), all_reduce_sum, GlobalBatchNorm, distribute
   ResNet                   torchvision's blocks and names at any width; CIFAR stem <= 64 px
-  augmentation             Recipe, Augment (per-sample parameters, batched on the device), then its
-                           ops in order: sample_crop_boxes, resized_crop_flip, colour_jitter (a
-                           random order of four ops per image), gaussian_blur, solarize, normalize
+  augmentation             Recipe, Augment (per-sample draws on the device), then its ops in order
   data order and batches   epoch_generators, train_batches
-  evaluation               extract_features, knn_accuracy, linear_probe (this project's) and
-                           linear_probe_augmented (the authors'), OnlineProbe, evaluate
+  evaluation               extract_features, knn_accuracy, the linear probes, OnlineProbe, evaluate
   optimisers               learning_rate, LARS, pretraining_optimizer
 Part 2, plumbing that changes nothing a method computes:
   errors and command line  UserError, run, add_common_args, parse_args (a resume parses the recorded
@@ -37,16 +33,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-import torchvision  # here, before any process group: see below
+# torchvision imports torch._dynamo, which, imported after init_process_group, keeps gloo's threads
+# alive past destroy_process_group and can abort Python's exit (torch 2.14): here, before setup.
+import torchvision
 import torchvision.transforms.v2 as T
 import torchvision.transforms.v2.functional as TF
 from PIL import Image
 from torchvision.transforms.functional import rgb_to_grayscale as grayscale  # takes batches too
 from torchvision.models.resnet import BasicBlock, Bottleneck
 from tqdm import tqdm
-
-# torchvision imports torch._dynamo, which, imported after init_process_group, keeps gloo's threads
-# alive past destroy_process_group and can abort Python's exit (torch 2.14): import it before setup.
 
 
 # ==================================================================================================
@@ -79,8 +74,7 @@ def world_size():
 
 
 class _GatherWithGrad(torch.autograd.Function):
-    """all_gather with a backward (dist.all_gather has none: the other ranks' rows would get no
-    gradient). Every rank's loss uses my rows: their gradient is all_reduce(SUM), my slice."""
+    """dist.all_gather with a backward (it has none): my rows' gradient summed over all ranks."""
 
     @staticmethod
     def forward(ctx, x):
@@ -116,10 +110,8 @@ def all_reduce_sum(x):
 
 
 class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm over every rank's batch, one code path on every device: each rank's per-channel
-    mean and variance (not its activations) go through the autograd-aware gather, the global ones
-    follow (the ranks hold equal rows), and each rank normalises its own rows. Nothing waits on the
-    host (torch's SyncBatchNorm drops empty ranks with boolean masks: three syncs a layer)."""
+    """BatchNorm over all ranks' rows (equal per rank): channel means and variances gathered with
+    grad, no host sync (torch's SyncBatchNorm drops empty ranks with masks: 3 syncs a layer)."""
 
     def _check_input_dim(self, x):  # (B, C) and (B, C, H, W) alike
         pass
@@ -161,16 +153,14 @@ def distribute(model, ctx):
         model = model.to(memory_format=torch.channels_last)
     if ctx.world == 1:
         return model
-    # global BatchNorm keeps the buffers equal on every rank: nothing to broadcast each step
     ddp, sync = nn.parallel.DistributedDataParallel, "forward_sync_buffers"  # torch < 2.14:
     sync = sync if sync in inspect.signature(ddp).parameters else "broadcast_buffers"  # its name
     return ddp(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-               **{sync: False})
+               **{sync: False})  # global BatchNorm keeps buffers equal: nothing to broadcast
 
 
 def to_device(t, device):
-    """A CPU tensor -> `device` without a host sync: from pageable memory CUDA first waits for all
-    queued GPU work; from pinned memory the copy is queued like a kernel."""
+    """CPU tensor -> `device` with no host sync (from pageable memory a copy waits for the GPU)."""
     return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
@@ -181,10 +171,9 @@ def float32(t):
 
 # ------------------------------------------------------------------------------------------- ResNet
 class ResNet(nn.Module):
-    """ResNet-18/34/50 backbone: (B, 3, S, S) -> features (B, out_dim), no classifier; torchvision's
-    blocks and names at any `width` (at 64 its resnet loads the weights, fc dropped). Up to 64 px
-    the CIFAR stem, a 3x3 stride-1 conv without max-pool (the ImageNet stem would shrink 32 px to
-    8); `stem_padding` 1 keeps 32 x 32 maps, the DT and solo-learn code's 2 makes 34 x 34."""
+    """ResNet-18/34/50, no classifier: (B, 3, S, S) -> (B, out_dim); torchvision's blocks and names
+    at any `width` (at 64 its weights load, fc dropped). Up to 64 px the CIFAR stem, no max-pool
+    (ImageNet's shrinks 32 px to 8); `stem_padding` 1 keeps 32 x 32, DT's and solo-learn's 2: 34."""
     LAYERS = {"resnet18": (BasicBlock, [2, 2, 2, 2]), "resnet34": (BasicBlock, [3, 4, 6, 3]),
               "resnet50": (Bottleneck, [3, 4, 6, 3])}
 
@@ -229,9 +218,7 @@ class Recipe:  # one view's augmentation
     flip_p: float = 0.5
     jitter: tuple = (0.4, 0.4, 0.4, 0.1)  # brightness, contrast, saturation, hue
     jitter_p: float = 0.8
-    # random: a new order of the four ops per image, as torchvision's ColorJitter draws one per
-    # call (transforms.py, ColorJitter.get_params: randperm(4)); fixed: b, c, s, h for every image
-    jitter_order: str = "random"
+    jitter_order: str = "random"  # new per image (transforms.py ColorJitter.get_params), or "fixed"
     gray_p: float = 0.2
     blur_p: float = 0.0
     blur_sigma: tuple = (0.1, 2.0)
@@ -239,9 +226,8 @@ class Recipe:  # one view's augmentation
 
 
 class Augment:
-    """Batched augmentation on the device, a Recipe per view, with random parameters per sample
-    (transforms.v2 on a batch draws one set for all), drawn for the global batch from a generator
-    seeded alike on every rank: each rank keeps its rows, so N processes augment as one does."""
+    """A Recipe per view on the device, parameters per sample (transforms.v2: one set per batch),
+    drawn for the global batch alike on every rank, each keeping its rows: N processes as one."""
 
     def __init__(self, recipes, size, mean, std, ctx):
         self.recipes, self.size, self.ctx = recipes, size, ctx
@@ -286,9 +272,8 @@ class Augment:
 
 
 def sample_crop_boxes(rand, n, height, width, scale, ratio, tries=10):
-    """RandomResizedCrop's box sampler, batched -> top, left, h, w as (n,) float tensors. As in
-    torchvision: of `tries` draws of (area, log-ratio) the first that fits wins, else a centre
-    crop with the ratio clamped into range. `rand(shape)` gives uniforms in [0, 1)."""
+    """RandomResizedCrop's box sampler, batched -> top, left, h, w (n,): of `tries` draws of (area,
+    log-ratio) the first that fits, else a centre crop, ratio clamped; rand(shape): U[0, 1)."""
     area = height * width * (scale[0] + (scale[1] - scale[0]) * rand((n, tries)))
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
     aspect = torch.exp(log_lo + (log_hi - log_lo) * rand((n, tries)))
@@ -296,7 +281,6 @@ def sample_crop_boxes(rand, n, height, width, scale, ratio, tries=10):
     fits = (w > 0) & (h > 0) & (w <= width) & (h <= height)
     first = fits.float().argmax(1, keepdim=True)  # the first draw that fits
     w, h, found = w.gather(1, first)[:, 0], h.gather(1, first)[:, 0], fits.any(1)
-    # the fallback: the whole image, cut to the nearest allowed ratio
     fh = round(width / ratio[0]) if width / height < ratio[0] else height
     fw = round(height * ratio[1]) if width / height > ratio[1] else width
     w, h = torch.where(found, w, float(fw)), torch.where(found, h, float(fh))
@@ -307,22 +291,18 @@ def sample_crop_boxes(rand, n, height, width, scale, ratio, tries=10):
 
 
 def resized_crop_flip(x, top, left, h, w, flip, size):
-    """Crop each sample's box, resize it to `size` bilinearly and mirror it where `flip`, in one
-    grid_sample. The affine map sends the output's [-1, 1] square onto the box; with
-    align_corners=False it samples where torchvision's resized_crop (no antialias) samples."""
+    """Crop each box, resize it to `size` (no antialias), mirror where `flip`: one grid_sample."""
     B, _, H, W = x.shape
     zero = torch.zeros_like(w)
     theta = torch.stack([torch.where(flip, -w / W, w / W), zero, (2 * left + w) / W - 1,
                          zero, h / H, (2 * top + h) / H - 1], 1).view(B, 2, 3).to(x)
-    grid = F.affine_grid(theta, (B, 3, size, size), align_corners=False)
+    grid = F.affine_grid(theta, (B, 3, size, size), align_corners=False)  # resized_crop's points
     return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
 
 def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
-    """torchvision's ColorJitter on a batch: image i with its own factors (B,) and order of the four
-    ops, order[i] (B, 4): 0 brightness, 1 contrast, 2 saturation, 3 hue (None: that order for all;
-    hue None: skipped). The three blends (blend_op) before hue fill three slots (an empty slot
-    blends with factor 1), then hue, then three slots after it: no host sync for any order."""
+    """torchvision's ColorJitter per image: factors (B,) and order (B, 4) of the ops 0 brightness,
+    1 contrast, 2 saturation, 3 hue (order None: 0-3 for all; hue None: no hue), no host sync."""
     b = len(x)
     order = torch.arange(4, device=x.device).expand(b, 4) if order is None else order
     slots = torch.arange(3, device=x.device).expand(b, 3)  # (B, 3)
@@ -340,8 +320,7 @@ def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
 
 
 def blend_op(x, op, factors):
-    """Image i's op op[i] (0 brightness, 1 contrast, 2 saturation, -1 none) with its factor: a blend
-    with black, its mean grey or its grey, clamped to [0, 1] as torchvision's _blend."""
+    """torchvision's _blend of image i's op[i]: 0 brightness, 1 contrast, 2 saturation, -1 none."""
     grey = grayscale(x)  # (B, 1, H, W)
     other = torch.where((op == 0).view(-1, 1, 1, 1), 0.0,  # black, mean grey, grey
                         torch.where((op == 1).view(-1, 1, 1, 1),
@@ -352,9 +331,8 @@ def blend_op(x, op, factors):
 
 
 def adjust_hue(x, shift):
-    """Rotate the hue by `shift` (B,) turns through HSV, as torchvision does: hue h6 in [0, 6)
-    from the channel holding the maximum v; back to RGB, channel n of (R, G, B) is
-    v - chroma * clamp(min(k, 4 - k), 0, 1) with k = (n + h6) mod 6, n = 5, 3, 1."""
+    """Hue turned `shift` (B,) turns via HSV, as torchvision: h6 in [0, 6) from the max's channel;
+    to RGB, channel n = 5, 3, 1 is v - chroma * clamp(min(k, 4 - k), 0, 1), k = (n + h6) mod 6."""
     r, g, b = x.unbind(1)
     minimum, value = torch.aminmax(x, dim=1)  # (B, H, W) each
     chroma = value - minimum
@@ -364,8 +342,7 @@ def adjust_hue(x, shift):
     hue = (hue + 6 * shift.view(-1, 1, 1)).remainder(6)  # (B, H, W) rotated, in [0, 6)
     k = hue.unsqueeze(1) + torch.arange(5, 0, -2, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
     k = torch.where(k >= 6, k - 6, k)  # (B, 3, H, W)
-    ramp = torch.minimum(k, 4 - k).clamp(0, 1)
-    return value.unsqueeze(1) - chroma.unsqueeze(1) * ramp
+    return value.unsqueeze(1) - chroma.unsqueeze(1) * torch.minimum(k, 4 - k).clamp(0, 1)
 
 
 def gaussian_blur(x, sigma, kernel_size):
@@ -382,25 +359,22 @@ def gaussian_blur(x, sigma, kernel_size):
 
 
 def normalize(x, mean, std):
-    """Images in [0, 1] (B, 3, H, W) -> torchvision's normalize (batched); channels_last on CUDA,
-    the layout the networks run in there."""
+    """[0, 1] images (B, 3, H, W) -> normalised, channels_last on CUDA (the networks' layout)."""
     x = TF.normalize(x, mean, std)
     return x.contiguous(memory_format=torch.channels_last) if x.is_cuda else x
 
 
 # --------------------------------------------------------------------------- data order and batches
 def epoch_generators(seed, epoch, device):
-    """This epoch's generators from (seed, epoch), so a resumed run draws as an uninterrupted one:
-    data order and pairings on the CPU (CUDA's random kernels depend on the GPU model), views on
-    the device."""
+    """(seed, epoch) -> this epoch's generators, so a resumed run draws as an uninterrupted one:
+    order and pairings on the CPU (CUDA's random kernels differ by GPU), views on the device."""
     seed = 2 * (seed * 100003 + epoch)
     return torch.Generator().manual_seed(seed), torch.Generator(device).manual_seed(seed + 1)
 
 
 def train_batches(data, batch_size, generator, ctx, workers=0):
-    """This rank's slice of each global batch of one epoch: (images, labels), uint8 (b, 3, S, S)
-    on the device, or (b, crops, 3, S, S) pre-cropped when streaming. The order comes from
-    `generator` (CPU), seeded alike everywhere: rank r takes rows [r*b, (r+1)*b) of the batch."""
+    """One epoch's (images, labels) on the device: uint8 (b, 3, S, S), or (b, crops, 3, S, S) when
+    streamed; rank r's rows [r*b, (r+1)*b) of each batch, in `generator`'s order (CPU, alike)."""
     b, steps = batch_size // ctx.world, len(data) // batch_size
     perm = torch.randperm(len(data), generator=generator)[:steps * batch_size]
     mine = perm.view(steps, ctx.world, b)[:, ctx.rank].flatten()  # (steps * b,)
@@ -456,8 +430,7 @@ def extract_features(backbone, split, data, ctx, workers=0, unit=True):
 
 @torch.no_grad()
 def knn_accuracy(train_f, train_y, test_f, test_y, num_classes, k=200, t=0.1):
-    """Weighted kNN (InstDisc / MoCo monitor): the k most cosine-similar training features vote
-    with weight exp(sim / t); rows labelled -1 take no part; ranks split the test set -> top-1 %."""
+    """Weighted kNN (InstDisc, MoCo): the k nearest (cosine) vote exp(sim / t) -> top-1 %."""
     k, unlabelled = min(k, int((train_y >= 0).sum())), train_y < 0
     share = -(-len(test_y) // world_size())  # each rank's rows of the test set
     correct, lo, hi = torch.zeros((), device=test_f.device), rank() * share, (rank() + 1) * share
@@ -472,9 +445,8 @@ def knn_accuracy(train_f, train_y, test_f, test_y, num_classes, k=200, t=0.1):
 
 
 def linear_classifier(dim, classes, device, seed, std=None):
-    """nn.Linear(dim, classes): weight N(0, std) and bias 0 (std 0.01: MoCo's and SimSiam's
-    main_lincls.py), or without `std` torch's default init; drawn from `seed` in a forked RNG, so
-    the run's global RNG is left as it was (a draw there would shift every later one)."""
+    """nn.Linear(dim, classes): weight N(0, std), bias 0 (0.01: MoCo's, SimSiam's main_lincls.py) or
+    torch's init (std None), from `seed` in a forked RNG: a global draw would shift later ones."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         layer = nn.Linear(dim, classes)
@@ -483,24 +455,19 @@ def linear_classifier(dim, classes, device, seed, std=None):
     return layer.to(device)
 
 
-# The final probe's protocols (--linear-protocol), each on the frozen backbone: optimiser, lr per
-# 256 images, epochs, batch, schedule. The authors' three use no weight decay, momentum 0.9.
-LINEAR_PROTOCOLS = {
+LINEAR_PROTOCOLS = {  # --linear-protocol: the final probe's settings, lr per 256 images
     "fixed": dict(optimizer="adamw", lr=1e-3, epochs=100, batch=256),  # this project's own probe
-    # GSG Sec. 5.1 "Linear evaluation" (CIFAR-10): batch 256, SGD momentum 0.9, lr 30, cosine, 90
-    # epochs; its crop+flip views, no weight decay: this project's assumption (no source gives them)
+    # GSG Sec. 5.1 "Linear evaluation" (CIFAR-10), momentum 0.9; assumed: crop+flip views, wd 0
     "gsg-cifar": dict(optimizer="sgd", lr=30.0, epochs=90, batch=256, schedule="cosine"),
     # facebookresearch/moco main_lincls.py: --lr 30, -b 256, --epochs 100, --schedule 60 80, wd 0
     "moco": dict(optimizer="sgd", lr=30.0, epochs=100, batch=256, schedule="steps"),
-    # facebookresearch/simsiam main_lincls.py --lars, as bych-lee/gsg's: apex LARC (trust 0.001, no
-    # clip, weight and bias alike), --lr 0.1 per 256, -b 4096, --epochs 90, wd 0, cosine per epoch
+    # facebookresearch/simsiam main_lincls.py --lars (as bych-lee/gsg): apex LARC, no clip, bias too
     "simsiam-imagenet": dict(optimizer="lars", lr=0.1, epochs=90, batch=4096, schedule="cosine"),
 }
 
 
 def train_linear(classifier, optimizer, batches, epochs, lr=None, scheduler=None, world=1):
-    """The probes' loop: per epoch the lr set to lr(epoch) if given, then a cross-entropy step on
-    each (features, labels) of batches(epoch), stepping `scheduler`; gradient: the global mean."""
+    """The probes' loop: per epoch, lr(epoch) and cross-entropy steps on batches(epoch)."""
     for epoch in tqdm(range(epochs), "linear probe", leave=False, disable=rank() != 0):
         for group in optimizer.param_groups if lr else ():
             group["lr"] = lr(epoch)
@@ -525,13 +492,10 @@ def top1(classify, features, labels):
 
 def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed=0, batch=256,
                  lr=1e-3):
-    """The `fixed` protocol, this project's own: a linear classifier on frozen features
-    standardised with the training set's mean and std, AdamW (lr per 256 images) + cosine -> test
-    top-1 %. Every rank computes the same from the same features."""
+    """`fixed` protocol: a linear classifier from zero (convex), AdamW + cosine -> test top-1 %."""
     rows = (train_y >= 0).nonzero()[:, 0]
     std, mean = torch.std_mean(train_f[rows], 0, correction=0)
     standardised = lambda f: (f - mean) / (std + 1e-6)  # noqa: E731
-    # a convex problem: a zero start (std 0), drawn from nothing global (linear_classifier)
     classifier = linear_classifier(train_f.shape[1], num_classes, train_f.device, seed, std=0.0)
     optimizer = torch.optim.AdamW(classifier.parameters(), lr=lr * batch / 256, weight_decay=5e-4)
     cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * -(-len(rows) // batch))
@@ -540,15 +504,13 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed
     def batches(epoch):
         perm = rows[torch.randperm(len(rows), generator=generator, device=rows.device)]
         return ((standardised(train_f[r]), train_y[r]) for r in perm.split(batch))
-    train_linear(classifier, optimizer, batches, epochs, scheduler=cosine)
+    train_linear(classifier, optimizer, batches, epochs, scheduler=cosine)  # alike on every rank
     return top1(lambda f: classifier(standardised(f)), test_f, test_y)
 
 
 def linear_probe_augmented(backbone, data, ctx, protocol="gsg-cifar", epochs=None, lr=None,
                            batch=None, seed=0, workers=0):
-    """An authors' probe (LINEAR_PROTOCOLS; epochs, lr, batch: the protocol's unless given): a
-    linear layer, weight N(0, 0.01), bias 0, on the frozen backbone (eval mode) trained on crop +
-    flip views of the labelled training split, momentum 0.9, no weight decay -> test top-1 %."""
+    """An authors' probe (LINEAR_PROTOCOLS) on the frozen backbone, crop + flip views -> top-1 %."""
     own = LINEAR_PROTOCOLS[protocol]
     epochs, lr, batch = (own[k] if v is None else v
                          for k, v in zip(("epochs", "lr", "batch"), (epochs, lr, batch)))
@@ -584,12 +546,10 @@ def linear_probe_augmented(backbone, data, ctx, protocol="gsg-cifar", epochs=Non
 
 
 class OnlineProbe:
-    """The DT authors' online linear classifier (ChaoningZhang/Dual-temperature solo/methods/base.py
-    lines 246, 335-343, 424-447): nn.Linear on the detached features of every training view
-    (a forward hook in train mode: base.py lines 475, 482; no second backbone pass), cross-entropy
-    without the unlabelled (-1), mean over the global batch, SGD momentum 0.9 (solo/args/utils.py
-    line 204), lr 0.3 unscaled by the batch (bash_files/*.sh --classifier_lr; utils.py line 212
-    scales only --lr), no weight decay, the pre-training's schedule; its result is `name`."""
+    """The DT authors' online classifier (ChaoningZhang/Dual-temperature solo/methods/base.py lines
+    246, 335-343, 424-447) on training views' detached features (a forward hook: lines 475, 482),
+    SGD momentum 0.9 (solo/args/utils.py line 204), no weight decay, lr 0.3 not scaled by the batch
+    (bash_files/*.sh --classifier_lr; utils.py line 212 scales only --lr); its result is `name`."""
 
     def __init__(self, backbone, num_classes, ctx, seed, name="online_top1", lr=0.3):
         self.backbone, self.name, self.lr, self.features = backbone, name, lr, []
@@ -602,8 +562,7 @@ class OnlineProbe:
             self.features.append(output.detach())
 
     def step(self, labels, lr_scale):
-        """One SGD step on the views kept since the last: labels (b,) of this rank's images, which
-        each view repeats in order; lr_scale: the pre-training's lr over its peak."""
+        """SGD step on the kept views, labels (b,) per view; lr_scale: pre-training lr / peak."""
         features, self.features = float32(torch.cat(self.features)), []  # (V * b, F)
         y = labels.repeat(len(features) // len(labels))  # (V * b,)
         labelled = all_reduce_sum((y >= 0).sum()).clamp_min(1)  # over every rank's views
@@ -623,8 +582,7 @@ class OnlineProbe:
         return top1(lambda x: self.classifier(float32(x)), f, y)
 
     def state_dict(self):  # for checkpoint.pt
-        return {"classifier": self.classifier.state_dict(),
-                "optimizer": self.optimizer.state_dict()}
+        return dict(classifier=self.classifier.state_dict(), optimizer=self.optimizer.state_dict())
 
     def load_state_dict(self, state):
         self.classifier.load_state_dict(state["classifier"])
@@ -644,8 +602,7 @@ def online_probes(args, data, ctx, backbone, momentum_encoder=None):
 
 
 def evaluate(backbone, data, ctx, args, final=False, probes=None):
-    """kNN top-1 (k = --knn-k) and each online probe's top-1 (`probes`: online_probes'); with
-    `final` also k=1 and the final linear probe (--linear-protocol, 0 --linear-epochs: none)."""
+    """kNN top-1 (--knn-k) and each probe's; `final` adds k=1 and the linear probe (--linear-*)."""
     train_f, train_y = extract_features(backbone, data.eval_train, data, ctx, args.workers)
     test_f, test_y = extract_features(backbone, data.eval_test, data, ctx, args.workers)
     knn = lambda k: knn_accuracy(train_f, train_y, test_f, test_y, data.num_classes, k,  # noqa
@@ -717,9 +674,8 @@ class LARS(torch.optim.Optimizer):
 
 
 def optimizer_groups(groups, lars):
-    """Parameters (or param-group dicts) -> param groups; for LARS each group's 1-D tensors (batch
-    norm, bias) in a group of their own without weight decay or trust ratio, as SimCLR's
-    tf2/model.py lines 40-42 and solo-learn's lars.py line 140 (exclude_bias_n_norm)."""
+    """Parameters (or group dicts) -> param groups; for LARS 1-D ones (batch norm, bias) apart,
+    no wd or trust ratio (SimCLR's tf2/model.py lines 40-42, solo-learn's lars.py line 140)."""
     groups = list(groups)
     groups = groups if isinstance(groups[0], dict) else [{"params": groups}]
     if not lars:
@@ -734,8 +690,7 @@ def optimizer_groups(groups, lars):
 
 
 def pretraining_optimizer(groups, args, ctx, lr):
-    """--optimizer: SGD momentum 0.9 with weight decay on every parameter (as the authors' SGD
-    runs), or LARS (--lars-eta, --lars-clip) without it on batch-norm and bias parameters."""
+    """--optimizer: SGD, momentum 0.9, wd on every parameter (the authors' SGD runs), or LARS."""
     if args.optimizer == "lars":
         return LARS(optimizer_groups(groups, lars=True), lr, 0.9, args.wd, args.lars_eta,
                     args.lars_clip)
