@@ -1080,13 +1080,13 @@ STATS = {"cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
          "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
          "stl10": ((0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)),
          "imagefolder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))}
+TEXTURES = ("horizontal_stripes", "vertical_stripes", "checkerboard", "dots", "rings")
 
 
 @dataclass
 class Data:
-    """The pre-training set and two evaluation splits (labels -1: unlabelled): uint8 (N, 3, H, W)
-    and (images, labels) on the device (`whole`: files as decoded, evaluated through eval_view),
-    or, streaming, ImageFiles that DataLoader workers decode."""
+    """Pre-training set and two evaluation splits (labels -1: unlabelled): uint8 (N, 3, H, W) and
+    (images, labels) on the device (`whole`: as decoded, seen through eval_view), or ImageFiles."""
     train: object
     train_labels: torch.Tensor
     eval_train: object
@@ -1124,29 +1124,23 @@ def load_data(args, ctx, crops=2):
         data = Data(*train, train, torchvision_split(args, ctx, None, train=False),
                     100 if args.dataset == "cifar100" else 10, size, mean, std)
     if len(data) < args.batch_size:
-        raise UserError(f"--batch-size {args.batch_size} is more than the {len(data)} training "
-                        f"images; use a smaller batch")
+        raise UserError(f"--batch-size {args.batch_size}: only {len(data)} training images")
     return data
 
 
-TEXTURES = ("horizontal_stripes", "vertical_stripes", "checkerboard", "dots", "rings")
-
-
 def texture_images(seed, counts=(2000, 500), size=20):
-    """--dataset textures: (uint8 (N, 3, S, S), labels (N,)) per split of `counts`, image i of
-    class TEXTURES[i % 5]. Two-tone textures (period 4.5-6.5 px, random phase; rings about a random
-    centre) in two fixed colours, either one the foreground, plus noise: a class's images differ as
-    two augmentations of one image do, and colour says nothing of the class, so the untrained
-    network (its pooled features follow colour) is near chance, and a method learns the texture."""
+    """--dataset textures: (uint8 (N, 3, S, S), labels) per split of `counts`, image i a two-tone
+    TEXTURES[i % 5] in two fixed colours (either the foreground) plus noise. Colour says nothing of
+    the class, so the untrained network (its pooled features follow colour) is near chance."""
     generator = torch.Generator().manual_seed(seed)
-    u = lambda *shape: torch.rand(*shape, generator=generator)  # noqa: E731
+    u = lambda n: torch.rand(n, 1, 1, generator=generator)  # noqa: E731  (n, 1, 1) in [0, 1)
     colours = torch.tensor([[0.85, 0.75, 0.25], [0.2, 0.25, 0.6]]).view(2, 3, 1, 1)  # yellow, blue
     y, x = torch.meshgrid(torch.arange(size).float(), torch.arange(size).float(), indexing="ij")
     splits = []
     for n in counts:
-        label, period = torch.arange(n) % len(TEXTURES), 4.5 + 2 * u(n, 1, 1)  # (n,), (n, 1, 1)
-        y_, x_ = y + period * u(n, 1, 1), x + period * u(n, 1, 1)  # (n, S, S) shifted by a phase
-        centre_y, centre_x = size * (0.2 + 0.6 * u(n, 1, 1)), size * (0.2 + 0.6 * u(n, 1, 1))
+        label, period = torch.arange(n) % len(TEXTURES), 4.5 + 2 * u(n)  # (n,), 4.5-6.5 px
+        y_, x_ = y + period * u(n), x + period * u(n)  # (n, S, S) shifted by a random phase
+        centre_y, centre_x = size * (0.2 + 0.6 * u(n)), size * (0.2 + 0.6 * u(n))  # rings' centres
         wave = lambda t: torch.sin(2 * torch.pi * t / period)  # noqa: E731
         dy, dx = (torch.remainder(t, period) - period / 2 for t in (y_, x_))
         patterns = torch.stack([wave(y_) > 0, wave(x_) > 0, wave(y_) * wave(x_) > 0,
@@ -1163,18 +1157,16 @@ def texture_images(seed, counts=(2000, 500), size=20):
 def torchvision_split(args, ctx, limit, **split):
     """CIFAR/STL-10 as uint8 (N, 3, S, S) and labels on the device. Each process downloads, or
     finds and checks, the files holding the data folder's lock: one download at a time."""
-    cls = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100,
-           "stl10": torchvision.datasets.STL10}[args.dataset]
+    cls = getattr(torchvision.datasets, args.dataset.upper())  # CIFAR10, CIFAR100, STL10
     folders = [os.path.join(args.data_dir, f) for f in ("train", "val", cls.base_folder)]
     if all(map(os.path.isdir, folders[:2])) and not os.path.exists(folders[2]):  # nothing written
         raise UserError(f"{args.data_dir} holds train/ and val/, as an image folder does, and no "
                         f"{args.dataset}: for an image folder use --dataset imagefolder")
-    try:
+    lock = contextlib.nullcontext()  # a read-only folder, a file system without flock: no lock
+    with contextlib.suppress(OSError):
         os.makedirs(args.data_dir, exist_ok=True)
         lock = open(os.path.join(args.data_dir, ".download.lock"), "a")
         fcntl.flock(lock, fcntl.LOCK_EX)  # closing the file releases it
-    except OSError:  # a read-only folder, a file system without flock: no lock
-        lock = contextlib.nullcontext()
     with lock:
         try:
             cls(args.data_dir, download=True, **split)
@@ -1182,36 +1174,33 @@ def torchvision_split(args, ctx, limit, **split):
             raise UserError(f"no {args.dataset} in {args.data_dir} and it could not be "
                             f"downloaded; put {cls.filename} or its extracted {cls.base_folder}/ "
                             f"there") from None
-    dataset = cls(args.data_dir, download=False, **split)
+    dataset = cls(args.data_dir, download=False, **split)  # read outside the lock
     images = torch.as_tensor(dataset.data)
     images = images.permute(0, 3, 1, 2) if images.shape[-1] == 3 else images  # CIFAR is NHWC
-    labels = torch.as_tensor(dataset.labels if hasattr(dataset, "labels") else dataset.targets)
+    labels = torch.as_tensor(dataset.labels if args.dataset == "stl10" else dataset.targets)
     return images[:limit].contiguous().to(ctx.device), labels[:limit].long().to(ctx.device)
 
 
 def image_folder(args, ctx, size, mean, std, crops):
     """DATA_DIR/train and val as Data: held on the device, each file whole (the crop samples the
     full image, as streaming's does), or with --stream decoded by DataLoader workers each epoch."""
-    folders = {}
-    for split in ("train", "val"):
-        root = os.path.join(args.data_dir, split)
-        try:
-            folders[split] = torchvision.datasets.ImageFolder(root)
-        except (FileNotFoundError, RuntimeError) as error:  # no folder, no class folders, no image
-            raise UserError(f"imagefolder: {error}; --data-dir needs train/ and val/ folders with "
-                            f"one subfolder of images per class") from None
-        if len(folders[split].classes) < 2:
-            raise UserError(f"imagefolder: {root} has {len(folders[split].classes)} class "
-                            f"folder(s); kNN and linear evaluation need at least 2")
-    if folders["train"].classes != folders["val"].classes:
-        only = sorted(set(folders["train"].classes) ^ set(folders["val"].classes))
+    try:  # FileNotFoundError: no folder; RuntimeError: no class folder, or one without images
+        train, val = (torchvision.datasets.ImageFolder(os.path.join(args.data_dir, split))
+                      for split in ("train", "val"))
+    except (FileNotFoundError, RuntimeError) as error:
+        raise UserError(f"imagefolder: {error}; --data-dir needs train/ and val/ folders with "
+                        f"one subfolder of images per class") from None
+    classes, only = len(train.classes), sorted(set(train.classes) ^ set(val.classes))
+    if only:
         raise UserError(f"imagefolder: train/ and val/ need the same class folders; "
                         f"{', '.join(only[:5])}{' ...' if len(only) > 5 else ''} only in one")
-    train, val = folders["train"].samples, folders["val"].samples
-    if args.limit_train and args.limit_train < len(train):  # spread over the class by class list
+    if classes < 2:
+        raise UserError(f"imagefolder: {args.data_dir} has one class folder; kNN and linear "
+                        f"evaluation need at least 2")
+    train, val = train.samples, val.samples  # (path, label) lists, class by class
+    if args.limit_train and args.limit_train < len(train):  # spread over the classes
         train = [train[i * len(train) // args.limit_train] for i in range(args.limit_train)]
     labels = [torch.tensor([y for _, y in s], device=ctx.device) for s in (train, val)]
-    classes = len(folders["train"].classes)
     h, w = ImageFiles(train[:1], None, whole=True)[0][0].shape[1:]  # the first image's size
     if args.image_size is None and min(h, w) < size:  # upsized: slower, no more detail
         ctx.print(f"warning: {args.data_dir} holds {w}x{h} px images, trained at {size} px "
@@ -1220,23 +1209,29 @@ def image_folder(args, ctx, size, mean, std, crops):
         return Data(ImageFiles(train, size, crops, args.crop_scale), labels[0],
                     ImageFiles(train, size), ImageFiles(val, size), classes, size, mean, std,
                     streaming=True)
-    images, val_images = (decode(s, args.workers).to(ctx.device) for s in (train, val))
-    return Data(images, labels[0], (images, labels[0]), (val_images, labels[1]), classes, size,
-                mean, std, whole=True)  # decoded once: pre-training and kNN share `images`
+    held = []  # (images, labels) per split; every rank decodes all: a held folder is small
+    for samples, split_labels in zip((train, val), labels):
+        files = [x for x, _ in torch.utils.data.DataLoader(
+            ImageFiles(samples, None, whole=True), None, num_workers=args.workers)]
+        sizes = sorted({f"{x.shape[2]}x{x.shape[1]}" for x in files})
+        if len(sizes) > 1:
+            raise UserError(f"imagefolder: {os.path.dirname(os.path.dirname(samples[0][0]))} holds "
+                            f"images of different sizes ({', '.join(sizes[:3])} px); add --stream")
+        held.append((torch.stack(files).to(ctx.device), split_labels))
+    return Data(*held[0], held[0], held[1], classes, size, mean, std, whole=True)  # train shared
 
 
 class ImageFiles(torch.utils.data.Dataset):
-    """(path, label) list -> uint8 (3, S, S), the evaluation view (eval_view); with `crops`,
-    (crops, 3, S, S), RandomResizedCrop + flip of the full image (streaming's training views, the
-    colour ops then batched on the device); with `whole`, the image as decoded, (3, H, W)."""
+    """(path, label) list -> uint8 (3, S, S), the evaluation view; `crops`: (crops, 3, S, S),
+    RandomResizedCrop + flip of the full image (streamed training); `whole`: as decoded."""
 
     def __init__(self, samples, size, crops=0, scale=(0.08, 1.0), whole=False):
         self.samples, self.crops, self.seed = samples, crops, 0
         self.fixed = T.PILToTensor() if whole else T.Compose([
             T.PILToTensor(), T.Resize(eval_size(size), antialias=True), T.CenterCrop(size)])
-        self.random = T.Compose([T.PILToTensor(), T.RandomHorizontalFlip(),
-                                 T.RandomResizedCrop(size, tuple(scale), antialias=True)]) \
-            if crops else None
+        if crops:
+            self.random = T.Compose([T.PILToTensor(), T.RandomHorizontalFlip(),
+                                     T.RandomResizedCrop(size, tuple(scale), antialias=True)])
 
     def __len__(self):
         return len(self.samples)
@@ -1256,15 +1251,3 @@ class ImageFiles(torch.utils.data.Dataset):
         with torch.random.fork_rng(devices=[]):  # the crops depend on (epoch seed, image) only:
             torch.manual_seed(self.seed + i)  # whichever rank or worker loads it, or a resumed run
             return torch.stack([self.random(image) for _ in range(self.crops)]), label
-
-
-def decode(samples, workers):
-    """Image files of one size -> uint8 (N, 3, H, W), each whole. Every rank decodes all: a folder
-    held on the device is small. Files of different sizes are refused: they stream (--stream)."""
-    files = ImageFiles(samples, None, whole=True)
-    images = [x for x, _ in torch.utils.data.DataLoader(files, None, num_workers=workers)]
-    if len({x.shape for x in images}) > 1:
-        sizes = sorted({f"{x.shape[2]}x{x.shape[1]}" for x in images})
-        raise UserError(f"imagefolder: {os.path.dirname(os.path.dirname(samples[0][0]))} holds "
-                        f"images of different sizes ({', '.join(sizes[:3])} px); add --stream")
-    return torch.stack(images)
