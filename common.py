@@ -17,7 +17,6 @@ Part 2, plumbing that changes nothing a method computes:
 import argparse
 import contextlib
 import fcntl
-import inspect
 import io
 import json
 import math
@@ -153,8 +152,8 @@ def distribute(model, ctx):
         model = model.to(memory_format=torch.channels_last)
     if ctx.world == 1:
         return model
-    ddp, sync = nn.parallel.DistributedDataParallel, "forward_sync_buffers"  # torch < 2.14:
-    sync = sync if sync in inspect.signature(ddp).parameters else "broadcast_buffers"  # its name
+    ddp = nn.parallel.DistributedDataParallel  # torch 2.14 renamed broadcast_buffers:
+    sync = "forward_sync_buffers" if torch.__version__ >= "2.14" else "broadcast_buffers"
     return ddp(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                **{sync: False})  # global BatchNorm keeps buffers equal: nothing to broadcast
 
