@@ -830,14 +830,13 @@ def parse_args(parser, argv, script):
     try:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
-        made_by, recorded = config["script"], [str(a) for a in config["argv"]]
-        saved = dict(config["args"])
+        if config["script"] != script:
+            raise UserError(f"--resume {run}: that run was made by {config['script']}.py, not "
+                            f"{script}.py; start a new --out")
+        recorded, saved = [str(a) for a in config["argv"]], dict(config["args"])
     except (OSError, ValueError, TypeError, KeyError):  # ValueError: not JSON, or not UTF-8
         raise UserError(f"--resume {run}: no readable config.json with its command line there; "
                         f"give a run folder of this project") from None
-    if made_by != script:
-        raise UserError(f"--resume {run}: that run was made by {made_by}.py, not {script}.py; "
-                        f"start a new --out")
     if args.out is not None and os.path.normpath(args.out) != os.path.normpath(run):
         raise UserError(f"--resume {run} writes into {run}; drop --out {args.out}")
     then, args = vars(parse(parser, recorded, path)), parse(parser, recorded + argv, path)
