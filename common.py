@@ -1018,6 +1018,7 @@ def start_run(args, ctx, data, backbone):
     if any(os.path.exists(os.path.join(ctx.out, f)) for f in ("checkpoint.pt", "results.json")):
         raise UserError(f"--out {ctx.out} already holds a run: continue it with --resume "
                         f"{ctx.out}, or choose another --out")
+    write_atomic(os.path.join(ctx.out, "metrics.jsonl"), b"")  # (an --epochs 0 run's stays empty)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
     versions = {"python": sys.version.split()[0], "torch": torch.__version__, "git_commit": commit}

@@ -431,6 +431,15 @@ def test_a_folder_without_a_run_is_not_resumed(tmp_path, capsys):
     fails_with(["--resume", str(tmp_path)], capsys, "no readable config.json")
 
 
+def test_an_untrained_run_writes_every_file_of_a_run_folder(tiny_folder, tmp_path):
+    """--epochs 0 (the untrained network, evaluated) still leaves metrics.jsonl, empty: tools
+    that read run folders (benchmarks/compare.py) find the same files in every one."""
+    simclr_dcl.main(smoke_args(tiny_folder, tmp_path, "--epochs", "0", "--linear-epochs", "0"))
+    assert {"config.json", "metrics.jsonl", "backbone.pt", "results.json"} <= set(
+        os.listdir(tmp_path))
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
 def test_a_new_run_never_overwrites_an_existing_run_folder(tiny_folder, tmp_path, capsys):
     """A second run with the same --out stops with one line naming --resume; the first run's
     files are byte-for-byte unchanged."""
