@@ -1200,7 +1200,7 @@ def image_folder(args, ctx, size, mean, std, crops):
     if args.limit_train and args.limit_train < len(train):  # spread over the classes
         train = [train[i * len(train) // args.limit_train] for i in range(args.limit_train)]
     labels = [torch.tensor([y for _, y in s], device=ctx.device) for s in (train, val)]
-    h, w = ImageFiles(train[:1], None, whole=True)[0][0].shape[1:]  # the first image's size
+    h, w = ImageFiles(train[:1])[0][0].shape[1:]  # the first image's size
     if args.image_size is None and min(h, w) < size:  # upsized: slower, no more detail
         ctx.print(f"warning: {args.data_dir} holds {w}x{h} px images, trained at {size} px "
                   f"(--image-size's default); add --image-size {min(h, w)}", sys.stderr)
@@ -1211,7 +1211,7 @@ def image_folder(args, ctx, size, mean, std, crops):
     held = []  # (images, labels) per split; every rank decodes all: a held folder is small
     for samples, split_labels in zip((train, val), labels):
         files = [x for x, _ in torch.utils.data.DataLoader(
-            ImageFiles(samples, None, whole=True), None, num_workers=args.workers)]
+            ImageFiles(samples), None, num_workers=args.workers)]
         sizes = sorted({f"{x.shape[2]}x{x.shape[1]}" for x in files})
         if len(sizes) > 1:
             raise UserError(f"imagefolder: {os.path.dirname(os.path.dirname(samples[0][0]))} holds "
@@ -1221,15 +1221,13 @@ def image_folder(args, ctx, size, mean, std, crops):
 
 
 class ImageFiles(torch.utils.data.Dataset):
-    """(path, label) list -> uint8 (3, S, S), the evaluation view; `crops`: (crops, 3, S, S),
-    RandomResizedCrop + flip of the full image (streamed training); `whole`: as decoded."""
+    """(path, label) list -> uint8 (3, S, S), the evaluation view (eval_view); `crops`: (crops, 3,
+    S, S), RandomResizedCrop + flip of the full image (streamed training); no size: as decoded."""
 
-    def __init__(self, samples, size, crops=0, scale=(0.08, 1.0), whole=False):
-        self.samples, self.crops, self.seed = samples, crops, 0
-        self.fixed = T.PILToTensor() if whole else T.Compose([
-            T.PILToTensor(), T.Resize(eval_size(size), antialias=True), T.CenterCrop(size)])
+    def __init__(self, samples, size=None, crops=0, scale=(0.08, 1.0)):
+        self.samples, self.size, self.crops, self.seed = samples, size, crops, 0
         if crops:
-            self.random = T.Compose([T.PILToTensor(), T.RandomHorizontalFlip(),
+            self.random = T.Compose([T.RandomHorizontalFlip(),
                                      T.RandomResizedCrop(size, tuple(scale), antialias=True)])
 
     def __len__(self):
@@ -1245,8 +1243,9 @@ class ImageFiles(torch.utils.data.Dataset):
                             f"replace it") from None
         if mode[0] in "IF":  # I;16, I, F: convert("RGB") clipped them to 8 bits
             raise UserError(f"image {path} is {mode} (16-bit or float); convert it to 8 bits")
+        image = TF.pil_to_tensor(image)
         if not self.crops:
-            return self.fixed(image), label
+            return (image if self.size is None else eval_view(image, self.size)), label
         with torch.random.fork_rng(devices=[]):  # the crops depend on (epoch seed, image) only:
             torch.manual_seed(self.seed + i)  # whichever rank or worker loads it, or a resumed run
             return torch.stack([self.random(image) for _ in range(self.crops)]), label
