@@ -321,14 +321,25 @@ def test_crash_mid_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     path = str(tmp_path / "checkpoint.pt")
     common.write_atomic(path, {"epoch": 1, "w": torch.ones(3)})
 
-    def crash(obj, f, *a, **k):  # f: the open temp file
-        f.write(b"half a checkpoint")
-        raise KeyboardInterrupt
+    class Crashing:  # the file common.py writes to: half the bytes land, then Ctrl-C
+        def __init__(self, file):
+            self.file = file
 
-    monkeypatch.setattr(torch, "save", crash)
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, data):
+            self.file.write(data[:len(data) // 2])
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(common, "open", lambda *a, **k: Crashing(open(*a, **k)), raising=False)
     with pytest.raises(KeyboardInterrupt):
         common.write_atomic(path, {"epoch": 2, "w": torch.zeros(3)})
     monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["checkpoint.pt"]  # no temp file left
     kept = torch.load(path)
     assert kept["epoch"] == 1 and torch.equal(kept["w"], torch.ones(3))
 
