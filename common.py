@@ -752,10 +752,8 @@ momentum_value = checked(float, lambda m: 0 <= m < 1, "in [0, 1)")  # EMA: t <- 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """--help keeps the usage docstring's layout and shows each default once (a help's own)."""
-
     def _get_help_string(self, action):
-        own = "default" in (action.help or "")
-        return action.help if own else super()._get_help_string(action)
+        return action.help if "default" in (action.help or "") else super()._get_help_string(action)
 
 
 def add_common_args(parser):
@@ -858,11 +856,8 @@ def parse(parser, argv, path=None):
     that fails them is one line."""
     def refuse(message):
         raise UserError(f"{path}: its command line fails the check ({message}); start a new --out")
-    error, parser.error = parser.error, refuse if path else parser.error
-    try:
-        args = parser.parse_args(argv)
-    finally:
-        parser.error = error
+    parser.error = refuse if path else parser.error  # (each parse_args call builds its parser)
+    args = parser.parse_args(argv)
     if args.crop_scale and not 0 < args.crop_scale[0] <= args.crop_scale[1] <= 1:
         raise UserError(f"--crop-scale {' '.join(map(str, args.crop_scale))}: need 0 < MIN <= MAX "
                         f"<= 1")
@@ -988,13 +983,12 @@ def write_atomic(path, data):
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename: a power cut keeps one whole file
         os.replace(temp, path)
-    except BaseException as error:
-        with contextlib.suppress(OSError):
-            os.remove(temp)
-        if not isinstance(error, OSError):
-            raise
+    except OSError as error:
         raise UserError(f"cannot write {path} ({error.strerror}); the last good checkpoint is "
                         f"kept: continue with --resume {os.path.dirname(path)}") from None
+    finally:  # what a full disk or Ctrl-C left (after the rename there is none)
+        with contextlib.suppress(OSError):
+            os.remove(temp)
 
 
 def start_run(args, ctx, data, backbone):
