@@ -759,16 +759,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 def add_common_args(parser):
     """The shared options; each method file sets its batch, epochs, lr, wd, warm-up, crop."""
     a, on_off = parser.add_argument, argparse.BooleanOptionalAction
-    a("--dataset", choices=["cifar10", "cifar100", "stl10", "imagefolder", "textures"],
-      default="cifar10", help="imagefolder reads DATA_DIR/train/<class>/* and DATA_DIR/val/"
-      "<class>/*; textures: 5 generated classes, 2,000 + 500 images of 20 px (a CPU demo)")
+    a("--dataset", choices=[*STATS, "textures"], default="cifar10", help="imagefolder: DATA_DIR/"
+      "{train,val}/<class>/<images>; textures: 5 generated classes of 20 px images (a CPU demo)")
     a("--data-dir", default="./data", help="where the data set is (CIFAR/STL-10 download here)")
     a("--image-size", type=positive_int, help="default: 32 CIFAR, 96 STL-10, 224 imagefolder")
-    a("--stream", action="store_true", help="imagefolder: DataLoader workers decode and crop "
-      "every epoch (needed where images differ in size, as ImageNet's; else held on the device)")
+    a("--stream", action="store_true", help="imagefolder: workers decode + crop each epoch")
     a("--workers", type=non_negative_int, default=min(8, os.cpu_count() or 1), help="decoders")
-    a("--limit-train", type=positive_int, help="use only N training images: the first N "
-      "(imagefolder: N spread over its class folders)")
+    a("--limit-train", type=positive_int, help="N training images (imagefolder: across classes)")
     a("--arch", choices=["resnet18", "resnet34", "resnet50"], default="resnet18", help="backbone")
     # 1: ours where no authors' CIFAR stem is cited (SimCLR's, GSG's); DT and NNCLR: 2, as theirs
     a("--stem-padding", type=non_negative_int, default=1, help="padding of the 3x3 stem (<= 64 px)")
@@ -778,11 +775,9 @@ def add_common_args(parser):
     a("--lr", type=positive_float, help="base learning rate per 256 images (lr = LR * batch / 256)")
     a("--wd", type=non_negative_float, help="weight decay")
     a("--warmup-epochs", type=non_negative_int, help="linear learning-rate warm-up epochs")
-    a("--optimizer", choices=["sgd", "lars"], default="sgd", help="SGD momentum 0.9, or LARS "
-      "(common.LARS: batch-norm and bias parameters without weight decay and trust ratio)")
+    a("--optimizer", choices=["sgd", "lars"], default="sgd", help="SGD (momentum 0.9) or LARS")
     a("--lars-eta", type=positive_float, default=0.001, help="LARS trust coefficient (SimCLR's)")
-    a("--lars-clip", action=on_off, default=False,
-      help="LARS: a tensor's lr never exceeds the scheduled lr (solo-learn's clip_lr)")
+    a("--lars-clip", action=on_off, default=False, help="LARS: lr <= the schedule's (solo-learn's)")
     a("--crop-scale", type=float, nargs=2, metavar=("MIN", "MAX"), help="random crop's area range")
     a("--out", help="run folder (default runs/<script>-<time>-<process id>)")
     a("--resume", metavar="RUN", help="continue RUN bit-for-bit, or evaluate a finished RUN again")
@@ -790,12 +785,9 @@ def add_common_args(parser):
     a("--eval-every", type=positive_int, default=10, help="kNN monitor every N epochs (and last)")
     a("--knn-k", type=positive_int, default=200, help="neighbours of the kNN monitor")
     a("--knn-t", type=positive_float, default=0.1, help="temperature of the weighted kNN vote")
-    a("--online-probe", action=on_off, default=False, help="the DT authors' online linear "
-      "classifiers on the training views' features (and the momentum encoder's)")
-    a("--linear-protocol", choices=list(LINEAR_PROTOCOLS), default="fixed", help="the final "
-      "probe on the frozen backbone: fixed = this project's, AdamW on fixed features; on crop+flip "
-      "views: gsg-cifar (GSG Sec. 5.1; its views are this project's assumption), moco and "
-      "simsiam-imagenet (their main_lincls.py); settings: common.LINEAR_PROTOCOLS")
+    a("--online-probe", action=on_off, default=False, help="the DT authors' online classifiers")
+    a("--linear-protocol", choices=list(LINEAR_PROTOCOLS), default="fixed", help="the final probe "
+      "(fixed: AdamW on fixed features; the others on crop+flip views): common.LINEAR_PROTOCOLS")
     a("--linear-epochs", type=non_negative_int, help="probe epochs (None: the protocol's; 0: none)")
     a("--linear-lr", type=positive_float, help="probe lr per 256 images (None: the protocol's)")
     a("--linear-batch", type=positive_int, help="probe batch (None: the protocol's)")
@@ -807,15 +799,13 @@ def add_common_args(parser):
 
 
 # The options --resume may change; every other one comes from the run's recorded command line.
-RESUMABLE = {"resume", "device", "data_dir", "workers", "stop_after", "eval_every", "compile",
-             "amp", "knn_k", "knn_t", "linear_protocol", "linear_epochs", "linear_lr",
-             "linear_batch"}
+RESUMABLE = set("resume device data_dir workers stop_after eval_every compile amp knn_k knn_t "
+                "linear_protocol linear_epochs linear_lr linear_batch".split())
 
 
 def parse_args(parser, argv, script):
-    """A new run gets a fresh --out (a folder holding a run is refused). --resume RUN parses RUN's
-    recorded command line and this one after it, which may change only the RESUMABLE options; an
-    option read otherwise than recorded (a default changed since the run) is refused."""
+    """A new run's --out (default: a fresh folder). --resume RUN: RUN's recorded command line, then
+    this one, which may change only RESUMABLE options; one now read otherwise is refused."""
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args, RUN["script"] = parse(parser, argv), script
     if args.resume is None:  # the process id keeps apart runs started in the same second
@@ -835,8 +825,6 @@ def parse_args(parser, argv, script):
     except (OSError, ValueError, TypeError, KeyError):  # ValueError: not JSON, or not UTF-8
         raise UserError(f"--resume {run}: no readable config.json with its command line there; "
                         f"give a run folder of this project") from None
-    if args.out is not None and os.path.normpath(args.out) != os.path.normpath(run):
-        raise UserError(f"--resume {run} writes into {run}; drop --out {args.out}")
     then, args = vars(parse(parser, recorded, path)), parse(parser, recorded + argv, path)
     for key in [key for key in vars(args) if key not in RESUMABLE | {"out"}]:
         option, value = f"--{key.replace('_', '-')}", json.loads(json.dumps(vars(args)[key]))
@@ -852,8 +840,7 @@ def parse_args(parser, argv, script):
 
 
 def parse(parser, argv, path=None):
-    """parser.parse_args(argv) and the crop-scale check; a recorded command line (from `path`)
-    that fails them is one line."""
+    """parse_args(argv), crop scale checked; a recorded line (from `path`) failing is one line."""
     def refuse(message):
         raise UserError(f"{path}: its command line fails the check ({message}); start a new --out")
     parser.error = refuse if path else parser.error  # (each parse_args call builds its parser)
@@ -892,8 +879,8 @@ def setup(args):
 
 # ------------------------------------------------------------------------- epoch log and run folder
 class EpochMeter:
-    """The progress bar (loss, lr, images/s; the host waits only every `every` steps) and, from
-    summary(), each scalar's mean over steps and ranks."""
+    """The progress bar (loss, lr, images/s; the host waits every `every` steps); summary(): the
+    epoch's line, each scalar's mean over steps and ranks."""
 
     def __init__(self, ctx, epoch, epochs, steps, images_per_step):
         self.ctx, self.epoch, self.images_per_step = ctx, epoch, images_per_step
@@ -947,7 +934,7 @@ LOCKS = {}  # run folder (its real path) -> the open OUT/.lock whose flock this 
 
 def hold_run_folder(out):
     """One process at a time runs or resumes a folder: an exclusive flock on OUT/.lock, dropped when
-    the process ends, however it ends. A temp file found then is a killed write's: removed."""
+    the process ends, however it ends."""
     if os.path.realpath(out) in LOCKS:  # a run and its resume in one Python session
         return
     f = open(os.path.join(out, ".lock"), "a+", encoding="utf-8")
@@ -955,26 +942,19 @@ def hold_run_folder(out):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         time.sleep(0.1)  # the holder writes its name just after it takes the lock
-        f.seek(0)
-        holder = f.read().strip()
-        f.close()
-        raise UserError(f"{out} is in use by process {holder}: a run or --resume of it is going "
-                        f"on; wait for it to end (or stop it), then try again") from None
+        f.seek(0)  # (the file is closed when the process ends, as the error ends it)
+        raise UserError(f"{out} is in use by process {f.read().strip()}: a run or --resume of it "
+                        f"is going on; wait for it to end (or stop it), then try again") from None
     f.truncate(0)
-    f.write(f"{os.getpid()} on {socket.gethostname()}\n")
-    f.flush()
+    print(os.getpid(), "on", socket.gethostname(), file=f, flush=True)
     LOCKS[os.path.realpath(out)] = f
-    for name in os.listdir(out):
-        if name.endswith(".tmp"):
-            os.remove(os.path.join(out, name))
 
 
 def write_atomic(path, data):
     """A run folder's file whole or not at all: `data` (bytes, or an object to torch.save) to a temp
     file, flushed to disk, renamed over `path`; a kill or a full disk leaves the previous file."""
-    if not isinstance(data, bytes):
-        buffer = io.BytesIO()
-        torch.save(data, buffer)
+    if not isinstance(data, bytes):  # serialised first: a failing torch.save writes nothing
+        torch.save(data, buffer := io.BytesIO())
         data = buffer.getvalue()
     temp = path + ".tmp"
     try:
@@ -992,9 +972,8 @@ def write_atomic(path, data):
 
 
 def start_run(args, ctx, data, backbone):
-    """Say what runs where (one line) and warn of a run that ends in its warm-up; a new run takes
-    the run folder (its lock) and writes config.json. Called once the data and the model are
-    ready: a run that fails to start leaves nothing."""
+    """Say what runs where, warn of a run that ends in its warm-up; a new run takes the folder (its
+    lock), writes config.json. Called once data and model are ready: a failed start leaves none."""
     where = "generated" if args.dataset == "textures" else args.data_dir
     held, val = ("streamed", data.eval_test) if data.streaming else ("held", data.eval_test[1])
     ctx.print(f"run {ctx.out}  data {args.dataset} ({where}, {held})  train {len(data)}  val "
@@ -1015,9 +994,9 @@ def start_run(args, ctx, data, backbone):
     write_atomic(os.path.join(ctx.out, "metrics.jsonl"), b"")  # (an --epochs 0 run's stays empty)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    versions = {"python": sys.version.split()[0], "torch": torch.__version__, "git_commit": commit}
-    config = {"script": RUN["script"], "argv": RUN["argv"], "args": vars(args),
-              "world_size": ctx.world, "versions": versions}
+    versions = dict(python=sys.version.split()[0], torch=torch.__version__, git_commit=commit)
+    config = dict(script=RUN["script"], argv=RUN["argv"], args=vars(args), world_size=ctx.world,
+                  versions=versions)
     write_atomic(os.path.join(ctx.out, "config.json"), json.dumps(config, indent=2).encode())
 
 
@@ -1034,19 +1013,14 @@ def load_checkpoint(ctx, states):
     if ctx.rank == 0:
         hold_run_folder(ctx.out)
     path = os.path.join(ctx.out, "checkpoint.pt")
-    if not os.path.exists(path):
-        raise UserError(f"{ctx.out} has no checkpoint.pt (its first epoch never ended); start it "
-                        f"again with --out {ctx.out}")
-    name = "the file"
-    try:
+    try:  # missing (epoch 1 never ended), truncated, another project's, another model's
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         for name, state in states.items():
             state is None or state.load_state_dict(checkpoint[name])
-        name, epoch, RUN["metrics"] = "epoch", int(checkpoint["epoch"]), checkpoint["metrics"]
-    except Exception as error:  # truncated, another project's, another model's
-        raise UserError(f"{path}: {name} does not fit this run or is unreadable "
-                        f"({type(error).__name__}: {' '.join(str(error).split())[:120]}); start a "
-                        f"new --out") from None
+        epoch, RUN["metrics"] = int(checkpoint["epoch"]), checkpoint["metrics"]
+    except Exception as error:
+        raise UserError(f"{path} does not fit this run or is unreadable ({type(error).__name__}: "
+                        f"{' '.join(str(error).split())[:120]}); start a new --out") from None
     ctx.print(f"resumed {ctx.out} at epoch {epoch}")
     return epoch
 
@@ -1122,9 +1096,8 @@ def load_data(args, ctx, crops=2):
 
 
 def texture_images(seed, counts=(2000, 500), size=20):
-    """--dataset textures: (uint8 (N, 3, S, S), labels) per split of `counts`, image i a two-tone
-    TEXTURES[i % 5] in two fixed colours (either the foreground) plus noise. Colour says nothing of
-    the class, so the untrained network (its pooled features follow colour) is near chance."""
+    """--dataset textures: (uint8 (N, 3, S, S), labels) per split, image i a TEXTURES[i % 5] in two
+    fixed colours (either the foreground) plus noise: no cue in colour, an untrained net's cue."""
     generator = torch.Generator().manual_seed(seed)
     u = lambda n: torch.rand(n, 1, 1, generator=generator)  # noqa: E731  (n, 1, 1) in [0, 1)
     colours = torch.tensor([[0.85, 0.75, 0.25], [0.2, 0.25, 0.6]]).view(2, 3, 1, 1)  # yellow, blue
@@ -1164,9 +1137,8 @@ def torchvision_split(args, ctx, limit, **split):
         try:
             cls(args.data_dir, download=True, **split)
         except Exception:  # URLError, RuntimeError("Dataset not found or corrupted"), ...
-            raise UserError(f"no {args.dataset} in {args.data_dir} and it could not be "
-                            f"downloaded; put {cls.filename} or its extracted {cls.base_folder}/ "
-                            f"there") from None
+            raise UserError(f"no {args.dataset} in {args.data_dir}; it could not be downloaded: "
+                            f"put {cls.filename} or its {cls.base_folder}/ there") from None
     dataset = cls(args.data_dir, download=False, **split)  # read outside the lock
     images = torch.as_tensor(dataset.data)
     images = images.permute(0, 3, 1, 2) if images.shape[-1] == 3 else images  # CIFAR is NHWC
@@ -1187,17 +1159,10 @@ def image_folder(args, ctx, size, mean, std, crops):
     if only:
         raise UserError(f"imagefolder: train/ and val/ need the same class folders; "
                         f"{', '.join(only[:5])}{' ...' if len(only) > 5 else ''} only in one")
-    if classes < 2:
-        raise UserError(f"imagefolder: {args.data_dir} has one class folder; kNN and linear "
-                        f"evaluation need at least 2")
     train, val = train.samples, val.samples  # (path, label) lists, class by class
     if args.limit_train and args.limit_train < len(train):  # spread over the classes
         train = [train[i * len(train) // args.limit_train] for i in range(args.limit_train)]
     labels = [torch.tensor([y for _, y in s], device=ctx.device) for s in (train, val)]
-    h, w = ImageFiles(train[:1])[0][0].shape[1:]  # the first image's size
-    if args.image_size is None and min(h, w) < size:  # upsized: slower, no more detail
-        ctx.print(f"warning: {args.data_dir} holds {w}x{h} px images, trained at {size} px "
-                  f"(--image-size's default); add --image-size {min(h, w)}", sys.stderr)
     if args.stream:
         return Data(ImageFiles(train, size, crops, args.crop_scale), labels[0],
                     ImageFiles(train, size), ImageFiles(val, size), classes, size, mean, std,

@@ -291,16 +291,16 @@ def test_a_saved_config_is_checked_as_the_command_line_is(stopped_run, tmp_path,
 
 
 @pytest.mark.parametrize("checkpoint, message", [
-    (torch.zeros(3), "model does not fit this run or is unreadable (IndexError"),
-    ({"model": {}}, "model does not fit this run or is unreadable (RuntimeError"),
-    ({"epoch": 1}, "model does not fit this run or is unreadable (KeyError: 'model')"),
+    (torch.zeros(3), "does not fit this run or is unreadable (IndexError"),
+    ({"model": {}}, "does not fit this run or is unreadable (RuntimeError"),
+    ({"epoch": 1}, "does not fit this run or is unreadable (KeyError: 'model')"),
 ], ids=["tensor", "no-epoch", "no-model"])
 def test_a_checkpoint_of_the_wrong_structure_is_one_error_line(stopped_run, tmp_path, capsys,
                                                                checkpoint, message):
     """A checkpoint.pt that loads but is not a dict with the epochs done and every state."""
     run = copy_of(stopped_run, tmp_path)
     torch.save(checkpoint, run / "checkpoint.pt")
-    fails_with(["--resume", str(run)], capsys, f"{run / 'checkpoint.pt'}: {message}")
+    fails_with(["--resume", str(run)], capsys, f"{run / 'checkpoint.pt'} {message}")
 
 
 def test_a_finished_run_rebuilds_a_missing_backbone(stopped_run, tmp_path):

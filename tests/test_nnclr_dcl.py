@@ -239,7 +239,7 @@ def test_support_set_state_dict_round_trip(tmp_path):
     assert torch.equal(a.rows, b.rows) and torch.equal(a.labels, b.labels) and a.ptr == b.ptr == 4
     ctx = common.Context(0, 1, 0, torch.device("cpu"), str(tmp_path), False)
     common.save_checkpoint(ctx, 1, {"support_set": a})
-    with pytest.raises(common.UserError, match="support_set does not fit"):
+    with pytest.raises(common.UserError, match="checkpoint.pt does not fit"):
         common.load_checkpoint(ctx, {"support_set": SupportSet(7, 3)})
 
 
