@@ -709,8 +709,7 @@ RUN = {"out": None, "argv": None, "script": None, "metrics": []}  # this process
 
 
 def run(main):
-    """Call `main()`: a UserError or an OSError (a full disk, a read-only folder) is one `error:`
-    line, exit status 2; Ctrl-C one line naming --resume, 130 (SIGTERM ends it at once: 143)."""
+    """main(); a UserError or OSError: one `error:` line, exit 2; Ctrl-C: a --resume line, 130."""
     rank = int(os.environ.get("RANK", 0))  # set before any process group exists
     try:
         main()
@@ -879,8 +878,7 @@ def setup(args):
 
 # ------------------------------------------------------------------------- epoch log and run folder
 class EpochMeter:
-    """The progress bar (loss, lr, images/s; the host waits every `every` steps); summary(): the
-    epoch's line, each scalar's mean over steps and ranks."""
+    """Progress bar (loss, lr, images/s; host waits every `every` steps); summary(): the means."""
 
     def __init__(self, ctx, epoch, epochs, steps, images_per_step):
         self.ctx, self.epoch, self.images_per_step = ctx, epoch, images_per_step
@@ -911,16 +909,14 @@ class EpochMeter:
 
 
 def check_finite(record):
-    if not math.isfinite(record["loss"]):
-        kept = f"epoch {record['epoch'] - 1}'s checkpoint is kept" if record["epoch"] > 1 else \
-            "no checkpoint was written"  # (the NaN or inf loss stops every rank alike)
+    if not math.isfinite(record["loss"]):  # (every rank alike: the loss is the global mean)
+        kept = "the last checkpoint is kept" if record["epoch"] > 1 else "no checkpoint was written"
         raise UserError(f"loss became {record['loss']} in epoch {record['epoch']}; {kept}; lower "
                         f"--lr, check --wd and the temperatures, or try --no-amp")
 
 
 def log_epoch(ctx, record):
-    """Add the epoch's line to the run's metrics (checkpoint.pt keeps them: a resume drops the
-    lines of epochs after its checkpoint), write metrics.jsonl whole and print the line."""
+    """The epoch's line into the run's metrics (checkpoint.pt keeps them), metrics.jsonl, stdout."""
     RUN["metrics"].append(record)
     if ctx.rank == 0:
         lines = "".join(json.dumps(r) + "\n" for r in RUN["metrics"])
@@ -933,8 +929,7 @@ LOCKS = {}  # run folder (its real path) -> the open OUT/.lock whose flock this 
 
 
 def hold_run_folder(out):
-    """One process at a time runs or resumes a folder: an exclusive flock on OUT/.lock, dropped when
-    the process ends, however it ends."""
+    """One process at a time runs or resumes a folder: a flock on OUT/.lock, gone when it ends."""
     if os.path.realpath(out) in LOCKS:  # a run and its resume in one Python session
         return
     f = open(os.path.join(out, ".lock"), "a+", encoding="utf-8")
@@ -951,8 +946,7 @@ def hold_run_folder(out):
 
 
 def write_atomic(path, data):
-    """A run folder's file whole or not at all: `data` (bytes, or an object to torch.save) to a temp
-    file, flushed to disk, renamed over `path`; a kill or a full disk leaves the previous file."""
+    """`path` whole or not at all: `data` (bytes, or an object to torch.save) to a temp, renamed."""
     if not isinstance(data, bytes):  # serialised first: a failing torch.save writes nothing
         torch.save(data, buffer := io.BytesIO())
         data = buffer.getvalue()
@@ -982,8 +976,7 @@ def start_run(args, ctx, data, backbone):
               f"{sum(p.numel() for p in backbone.parameters()):,} parameters")
     if 0 < args.epochs <= args.warmup_epochs:  # the lr ends at epochs / warm-up of its peak
         ctx.print(f"warning: --epochs {args.epochs} is not more than --warmup-epochs "
-                  f"{args.warmup_epochs}: the learning rate never leaves its warm-up (nor reaches "
-                  f"its peak); use fewer --warmup-epochs", sys.stderr)
+                  f"{args.warmup_epochs}: the learning rate never reaches its peak", sys.stderr)
     if ctx.rank != 0 or args.resume:
         return
     os.makedirs(ctx.out, exist_ok=True)
@@ -1026,8 +1019,7 @@ def load_checkpoint(ctx, states):
 
 
 def finish(ctx, backbone, results):
-    """backbone.pt (CPU tensors, torchvision's names) and results.json; the folder let go. A
-    finished run evaluated again (--resume) writes eval-<time>.json (and a missing backbone.pt)."""
+    """backbone.pt (torchvision's names), results.json (run again: eval-<time>.json); unlocked."""
     if ctx.rank != 0:
         return
     path, weights = (os.path.join(ctx.out, name) for name in ("results.json", "backbone.pt"))
@@ -1076,7 +1068,7 @@ def load_data(args, ctx, crops=2):
         args.dataset, args.image_size or 224)
     if args.dataset == "imagefolder":
         data = image_folder(args, ctx, size, mean, std, crops)
-    elif args.image_size not in (None, size):
+    elif args.image_size not in (None, size):  # (a resume would then refuse the recorded size)
         raise UserError(f"--image-size {args.image_size}: {args.dataset} images are {size} px")
     elif args.dataset == "textures":  # generated from --seed, nothing read or written
         train, test = ([t.to(ctx.device) for t in split] for split in texture_images(args.seed))
@@ -1121,13 +1113,11 @@ def texture_images(seed, counts=(2000, 500), size=20):
 
 
 def torchvision_split(args, ctx, limit, **split):
-    """CIFAR/STL-10 as uint8 (N, 3, S, S) and labels on the device. Each process downloads, or
-    finds and checks, the files holding the data folder's lock: one download at a time."""
+    """CIFAR/STL-10: uint8 (N, 3, S, S), labels on the device; fetched or checked under a lock."""
     cls = getattr(torchvision.datasets, args.dataset.upper())  # CIFAR10, CIFAR100, STL10
     folders = [os.path.join(args.data_dir, f) for f in ("train", "val", cls.base_folder)]
     if all(map(os.path.isdir, folders[:2])) and not os.path.exists(folders[2]):  # nothing written
-        raise UserError(f"{args.data_dir} holds train/ and val/, as an image folder does, and no "
-                        f"{args.dataset}: for an image folder use --dataset imagefolder")
+        raise UserError(f"{args.data_dir} holds train/ and val/: use --dataset imagefolder")
     lock = contextlib.nullcontext()  # a read-only folder, a file system without flock: no lock
     with contextlib.suppress(OSError):
         os.makedirs(args.data_dir, exist_ok=True)

@@ -597,6 +597,15 @@ def test_a_run_that_failed_in_its_first_epoch_starts_again_in_its_folder(
     check_run_folder(tmp_path, epochs=1)
 
 
+def test_an_image_size_that_a_fixed_size_set_lacks_is_refused(tmp_path, capsys):
+    """textures (20 px) with --image-size 32: refused before anything is written (the run would
+    train at 20 px, and its --resume would refuse the recorded --image-size 32)."""
+    fails_with(["--dataset", "textures", "--image-size", "32", "--device", "cpu", "--width", "8",
+                "--epochs", "0", "--linear-epochs", "0", "--out", str(tmp_path / "o")], capsys,
+               "--image-size 32: textures images are 20 px")
+    assert not (tmp_path / "o").exists()
+
+
 def test_option_values_that_cannot_run_are_refused(tiny_folder, tmp_path, capsys):
     for option in (["--wd", "-1"], ["--lr", "inf"], ["--seed", str(2**40)]):
         with pytest.raises(SystemExit) as exit_info:
