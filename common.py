@@ -217,7 +217,6 @@ class Recipe:  # one view's augmentation
     flip_p: float = 0.5
     jitter: tuple = (0.4, 0.4, 0.4, 0.1)  # brightness, contrast, saturation, hue
     jitter_p: float = 0.8
-    jitter_order: str = "random"  # new per image (transforms.py ColorJitter.get_params), or "fixed"
     gray_p: float = 0.2
     blur_p: float = 0.0
     blur_sigma: tuple = (0.1, 2.0)
@@ -257,7 +256,7 @@ class Augment:
             # U(max(0, 1 - s), 1 + s): torchvision's ColorJitter clips the range at 0
             factors = [max(0, 1 - s) + (1 + s - max(0, 1 - s)) * rand(b) for s in r.jitter[:3]]
             hue = r.jitter[3] * (2 * rand(b) - 1) if r.jitter[3] > 0 else None
-            order = rand((b, 4)).argsort(1) if r.jitter_order == "random" else None  # (b, 4)
+            order = rand((b, 4)).argsort(1)  # per image, as transforms.py ColorJitter.get_params
             x = torch.where(jitter.view(-1, 1, 1, 1), colour_jitter(x, *factors, hue, order), x)
         if r.gray_p > 0:
             x = where(r.gray_p, grayscale(x).expand_as(x), x)
@@ -303,12 +302,11 @@ def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
     """torchvision's ColorJitter per image: factors (B,) and order (B, 4) of the ops 0 brightness,
     1 contrast, 2 saturation, 3 hue (order None: 0-3 for all; hue None: no hue), no host sync."""
     b = len(x)
-    order = torch.arange(4, device=x.device).expand(b, 4) if order is None else order
-    slots = torch.arange(3, device=x.device).expand(b, 3)  # (B, 3)
+    positions = torch.arange(4, device=x.device)
+    order = positions.expand(b, 4) if order is None else order
     hue_at = (order == 3).int().argmax(1, keepdim=True)  # (B, 1) hue's position in the order
-    before = torch.where(slots < hue_at, order[:, :3], -1)  # (B, 3) ops before hue, -1: none
-    after_at = hue_at + 1 + slots  # (B, 3) the positions after hue
-    after = torch.where(after_at < 4, order.gather(1, after_at.clamp(max=3)), -1)  # (B, 3)
+    before = torch.where(positions < hue_at, order, -1)[:, :3]  # (B, 3) ops before hue, -1: none
+    after = torch.where(positions > hue_at, order, -1)[:, 1:]  # (B, 3) after it (none at 0)
     factors = torch.stack([brightness, contrast, saturation], 1)  # (B, 3)
     for op in before.unbind(1):
         x = blend_op(x, op, factors)
@@ -319,13 +317,11 @@ def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
 
 
 def blend_op(x, op, factors):
-    """torchvision's _blend of image i's op[i]: 0 brightness, 1 contrast, 2 saturation, -1 none."""
-    grey = grayscale(x)  # (B, 1, H, W)
-    other = torch.where((op == 0).view(-1, 1, 1, 1), 0.0,  # black, mean grey, grey
-                        torch.where((op == 1).view(-1, 1, 1, 1),
-                                    grey.mean(dim=(1, 2, 3), keepdim=True), grey))
-    factor = torch.where(op >= 0, factors.gather(1, op.clamp(min=0)[:, None])[:, 0], 1.0)
-    factor = factor.view(-1, 1, 1, 1)
+    """torchvision's _blend of image i's op[i] with 0 brightness: black, 1 contrast: mean grey,
+    2 saturation: grey; -1 none."""
+    grey, op = grayscale(x), op.view(-1, 1, 1, 1)  # (B, 1, H, W), (B, 1, 1, 1)
+    other = torch.where(op == 0, 0.0, torch.where(op == 1, grey.mean((1, 2, 3), True), grey))
+    factor = torch.where(op >= 0, factors.gather(1, op.view(-1, 1).clamp(min=0)).view_as(op), 1.0)
     return (factor * x + (1 - factor) * other).clamp(0, 1)
 
 
