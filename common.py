@@ -668,15 +668,11 @@ class LARS(torch.optim.Optimizer):
             torch._foreach_add_(params, buffers, alpha=-group["lr"])
 
 
-def optimizer_groups(groups, lars):
-    """Parameters (or group dicts) -> param groups; for LARS 1-D ones (batch norm, bias) apart,
-    no wd or trust ratio (SimCLR's tf2/model.py lines 40-42, solo-learn's lars.py line 140)."""
-    groups = list(groups)
-    groups = groups if isinstance(groups[0], dict) else [{"params": groups}]
-    if not lars:
-        return groups
-    split = []
-    for group in groups:
+def optimizer_groups(groups):
+    """Parameters (or group dicts) -> LARS's param groups: 1-D ones (batch norm, bias) apart, no wd
+    or trust ratio (SimCLR's tf2/model.py lines 40-42, solo-learn's lars.py line 140)."""
+    groups, split = list(groups), []
+    for group in groups if isinstance(groups[0], dict) else [{"params": groups}]:
         params = list(group["params"])
         split.append({**group, "params": [p for p in params if p.ndim > 1]})
         split.append({**group, "params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0,
@@ -687,10 +683,8 @@ def optimizer_groups(groups, lars):
 def pretraining_optimizer(groups, args, ctx, lr):
     """--optimizer: SGD, momentum 0.9, wd on every parameter (the authors' SGD runs), or LARS."""
     if args.optimizer == "lars":
-        return LARS(optimizer_groups(groups, lars=True), lr, 0.9, args.wd, args.lars_eta,
-                    args.lars_clip)
-    return torch.optim.SGD(optimizer_groups(groups, lars=False), lr=lr, momentum=0.9,
-                           weight_decay=args.wd)
+        return LARS(optimizer_groups(groups), lr, 0.9, args.wd, args.lars_eta, args.lars_clip)
+    return torch.optim.SGD(groups, lr=lr, momentum=0.9, weight_decay=args.wd)
 
 
 # ==================================================================================================
