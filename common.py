@@ -385,14 +385,11 @@ def train_batches(data, batch_size, generator, ctx, workers=0):
 
 
 # --------------------------------------------------------------------------------------- evaluation
-def eval_size(size):
-    """The side resized to before the centre S x S crop: S / 0.875 above 64 px (256 for 224)."""
-    return round(size / 0.875) if size > 64 else size
-
-
 def eval_view(images, size):
-    """uint8 (..., 3, H, W) -> (..., 3, S, S): torchvision's Resize(eval_size(S)), CenterCrop(S)."""
-    return TF.center_crop(TF.resize(images, [eval_size(size)], antialias=True), [size])
+    """uint8 (..., 3, H, W) -> (..., 3, S, S): torchvision's Resize(S / 0.875 above 64 px: 256 for
+    224), CenterCrop(S)."""
+    side = round(size / 0.875) if size > 64 else size
+    return TF.center_crop(TF.resize(images, [side], antialias=True), [size])
 
 
 @torch.no_grad()
@@ -485,8 +482,7 @@ def top1(classify, features, labels):
     return 100.0 * correct / int((labels >= 0).sum())
 
 
-def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed=0, batch=256,
-                 lr=1e-3):
+def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs, lr, batch, seed=0):
     """`fixed` protocol: a linear classifier from zero (convex), AdamW + cosine -> test top-1 %."""
     rows = (train_y >= 0).nonzero()[:, 0]
     std, mean = torch.std_mean(train_f[rows], 0, correction=0)
@@ -503,12 +499,9 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed
     return top1(lambda f: classifier(standardised(f)), test_f, test_y)
 
 
-def linear_probe_augmented(backbone, data, ctx, protocol="gsg-cifar", epochs=None, lr=None,
-                           batch=None, seed=0, workers=0):
+def linear_probe_augmented(backbone, data, ctx, protocol, epochs, lr, batch, seed=0, workers=0):
     """An authors' probe (LINEAR_PROTOCOLS) on the frozen backbone, crop + flip views -> top-1 %."""
     own = LINEAR_PROTOCOLS[protocol]
-    epochs, lr, batch = (own[k] if v is None else v
-                         for k, v in zip(("epochs", "lr", "batch"), (epochs, lr, batch)))
     images, labels = data.eval_train if not data.streaming else (  # streamed: workers crop + flip
         ImageFiles(data.eval_train.samples, data.image_size, crops=1), data.train_labels)
     probe_set = replace(data, train=images, train_labels=labels)  # drawn as pre-training's batches
@@ -570,7 +563,6 @@ class OnlineProbe:
             group["lr"] = self.lr * lr_scale
         self.optimizer.step()
 
-    @torch.no_grad()
     def accuracy(self, data, ctx, workers=0):
         """Top-1 % on the un-augmented test split, the backbone in eval mode (the DT fork's)."""
         f, y = extract_features(self.backbone, data.eval_test, data, ctx, workers, unit=False)
@@ -613,13 +605,11 @@ def evaluate(backbone, data, ctx, args, final=False, probes=None):
         protocol, given = args.linear_protocol, dict(epochs=args.linear_epochs, lr=args.linear_lr,
                                                      batch=args.linear_batch)
         settings = {k: LINEAR_PROTOCOLS[protocol][k] if v is None else v for k, v in given.items()}
-        if settings["epochs"] and protocol == "fixed":
-            linear = linear_probe(train_f, train_y, test_f, test_y, data.num_classes,
-                                  seed=args.seed, **settings)
-        elif settings["epochs"]:
-            linear = linear_probe_augmented(backbone, data, ctx, protocol, seed=args.seed,
-                                            workers=args.workers, **settings)
         if settings["epochs"]:
+            linear = (linear_probe(train_f, train_y, test_f, test_y, data.num_classes,
+                                   seed=args.seed, **settings) if protocol == "fixed" else
+                      linear_probe_augmented(backbone, data, ctx, protocol, seed=args.seed,
+                                             workers=args.workers, **settings))
             result.update(linear_top1=linear, linear_protocol=protocol)
     return result
 

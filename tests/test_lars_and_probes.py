@@ -108,8 +108,7 @@ def _streamed_probe(folder, ctx):
     make = common.linear_classifier
     common.linear_classifier = lambda *a, **k: made.append(make(*a, **k)) or made[-1]
     try:
-        top1 = common.linear_probe_augmented(backbone, data, ctx, "moco", epochs=2, batch=16,
-                                             seed=0)
+        top1 = common.linear_probe_augmented(backbone, data, ctx, "moco", 2, 30.0, 16, seed=0)
     finally:
         common.linear_classifier = make
     return {k: v.detach().clone() for k, v in made[0].state_dict().items()}, top1
