@@ -145,8 +145,7 @@ def sync_batchnorm(module, ctx):
 
 
 def distribute(model, ctx):
-    """Global BatchNorm, channels_last on CUDA, DDP across processes -> the module to call
-    (`model` itself stays the bare module, whose state_dict has no 'module.' prefix)."""
+    """-> the module to call; `model` itself stays bare (its state_dict has no 'module.' prefix)."""
     model = sync_batchnorm(model, ctx)
     if ctx.device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
@@ -301,9 +300,8 @@ def resized_crop_flip(x, top, left, h, w, flip, size):
 def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
     """torchvision's ColorJitter per image: factors (B,) and order (B, 4) of the ops 0 brightness,
     1 contrast, 2 saturation, 3 hue (order None: 0-3 for all; hue None: no hue), no host sync."""
-    b = len(x)
     positions = torch.arange(4, device=x.device)
-    order = positions.expand(b, 4) if order is None else order
+    order = positions.expand(len(x), 4) if order is None else order
     hue_at = (order == 3).int().argmax(1, keepdim=True)  # (B, 1) hue's position in the order
     before = torch.where(positions < hue_at, order, -1)[:, :3]  # (B, 3) ops before hue, -1: none
     after = torch.where(positions > hue_at, order, -1)[:, 1:]  # (B, 3) after it (none at 0)
@@ -649,8 +647,7 @@ class LARS(torch.optim.Optimizer):
             if group["adapt"]:
                 w_norm, g_norm = (torch.stack(torch._foreach_norm(t)) for t in (params, g))
                 trust = group["eta"] * w_norm / g_norm
-                if group["clip"]:
-                    trust = (trust / group["lr"]).clamp(max=1)
+                trust = (trust / group["lr"]).clamp(max=1) if group["clip"] else trust
                 torch._foreach_mul_(g, torch.where((w_norm > 0) & (g_norm > 0), trust, 1).unbind())
             buffers = [self.state[w]["momentum_buffer"] for w in params]
             torch._foreach_mul_(buffers, group["momentum"])
