@@ -145,8 +145,7 @@ def sync_batchnorm(module, ctx):
 
 
 def distribute(model, ctx):
-    """Global BatchNorm, channels_last on CUDA, DDP across processes -> the module to call
-    (`model` itself stays the bare module, whose state_dict has no 'module.' prefix)."""
+    """-> the module to call; `model` itself stays bare (its state_dict has no 'module.' prefix)."""
     model = sync_batchnorm(model, ctx)
     if ctx.device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
@@ -217,7 +216,6 @@ class Recipe:  # one view's augmentation
     flip_p: float = 0.5
     jitter: tuple = (0.4, 0.4, 0.4, 0.1)  # brightness, contrast, saturation, hue
     jitter_p: float = 0.8
-    jitter_order: str = "random"  # new per image (transforms.py ColorJitter.get_params), or "fixed"
     gray_p: float = 0.2
     blur_p: float = 0.0
     blur_sigma: tuple = (0.1, 2.0)
@@ -257,7 +255,7 @@ class Augment:
             # U(max(0, 1 - s), 1 + s): torchvision's ColorJitter clips the range at 0
             factors = [max(0, 1 - s) + (1 + s - max(0, 1 - s)) * rand(b) for s in r.jitter[:3]]
             hue = r.jitter[3] * (2 * rand(b) - 1) if r.jitter[3] > 0 else None
-            order = rand((b, 4)).argsort(1) if r.jitter_order == "random" else None  # (b, 4)
+            order = rand((b, 4)).argsort(1)  # per image, as transforms.py ColorJitter.get_params
             x = torch.where(jitter.view(-1, 1, 1, 1), colour_jitter(x, *factors, hue, order), x)
         if r.gray_p > 0:
             x = where(r.gray_p, grayscale(x).expand_as(x), x)
@@ -302,13 +300,11 @@ def resized_crop_flip(x, top, left, h, w, flip, size):
 def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
     """torchvision's ColorJitter per image: factors (B,) and order (B, 4) of the ops 0 brightness,
     1 contrast, 2 saturation, 3 hue (order None: 0-3 for all; hue None: no hue), no host sync."""
-    b = len(x)
-    order = torch.arange(4, device=x.device).expand(b, 4) if order is None else order
-    slots = torch.arange(3, device=x.device).expand(b, 3)  # (B, 3)
+    positions = torch.arange(4, device=x.device)
+    order = positions.expand(len(x), 4) if order is None else order
     hue_at = (order == 3).int().argmax(1, keepdim=True)  # (B, 1) hue's position in the order
-    before = torch.where(slots < hue_at, order[:, :3], -1)  # (B, 3) ops before hue, -1: none
-    after_at = hue_at + 1 + slots  # (B, 3) the positions after hue
-    after = torch.where(after_at < 4, order.gather(1, after_at.clamp(max=3)), -1)  # (B, 3)
+    before = torch.where(positions < hue_at, order, -1)[:, :3]  # (B, 3) ops before hue, -1: none
+    after = torch.where(positions > hue_at, order, -1)[:, 1:]  # (B, 3) after it (none at 0)
     factors = torch.stack([brightness, contrast, saturation], 1)  # (B, 3)
     for op in before.unbind(1):
         x = blend_op(x, op, factors)
@@ -319,13 +315,11 @@ def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
 
 
 def blend_op(x, op, factors):
-    """torchvision's _blend of image i's op[i]: 0 brightness, 1 contrast, 2 saturation, -1 none."""
-    grey = grayscale(x)  # (B, 1, H, W)
-    other = torch.where((op == 0).view(-1, 1, 1, 1), 0.0,  # black, mean grey, grey
-                        torch.where((op == 1).view(-1, 1, 1, 1),
-                                    grey.mean(dim=(1, 2, 3), keepdim=True), grey))
-    factor = torch.where(op >= 0, factors.gather(1, op.clamp(min=0)[:, None])[:, 0], 1.0)
-    factor = factor.view(-1, 1, 1, 1)
+    """torchvision's _blend of image i's op[i] with 0 brightness: black, 1 contrast: mean grey,
+    2 saturation: grey; -1 none."""
+    grey, op = grayscale(x), op.view(-1, 1, 1, 1)  # (B, 1, H, W), (B, 1, 1, 1)
+    other = torch.where(op == 0, 0.0, torch.where(op == 1, grey.mean((1, 2, 3), True), grey))
+    factor = torch.where(op >= 0, factors.gather(1, op.view(-1, 1).clamp(min=0)).view_as(op), 1.0)
     return (factor * x + (1 - factor) * other).clamp(0, 1)
 
 
@@ -389,14 +383,11 @@ def train_batches(data, batch_size, generator, ctx, workers=0):
 
 
 # --------------------------------------------------------------------------------------- evaluation
-def eval_size(size):
-    """The side resized to before the centre S x S crop: S / 0.875 above 64 px (256 for 224)."""
-    return round(size / 0.875) if size > 64 else size
-
-
 def eval_view(images, size):
-    """uint8 (..., 3, H, W) -> (..., 3, S, S): torchvision's Resize(eval_size(S)), CenterCrop(S)."""
-    return TF.center_crop(TF.resize(images, [eval_size(size)], antialias=True), [size])
+    """uint8 (..., 3, H, W) -> (..., 3, S, S): torchvision's Resize(S / 0.875 above 64 px: 256 for
+    224), CenterCrop(S)."""
+    side = round(size / 0.875) if size > 64 else size
+    return TF.center_crop(TF.resize(images, [side], antialias=True), [size])
 
 
 @torch.no_grad()
@@ -489,8 +480,7 @@ def top1(classify, features, labels):
     return 100.0 * correct / int((labels >= 0).sum())
 
 
-def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed=0, batch=256,
-                 lr=1e-3):
+def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs, lr, batch, seed=0):
     """`fixed` protocol: a linear classifier from zero (convex), AdamW + cosine -> test top-1 %."""
     rows = (train_y >= 0).nonzero()[:, 0]
     std, mean = torch.std_mean(train_f[rows], 0, correction=0)
@@ -507,12 +497,9 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs=100, seed
     return top1(lambda f: classifier(standardised(f)), test_f, test_y)
 
 
-def linear_probe_augmented(backbone, data, ctx, protocol="gsg-cifar", epochs=None, lr=None,
-                           batch=None, seed=0, workers=0):
+def linear_probe_augmented(backbone, data, ctx, protocol, epochs, lr, batch, seed=0, workers=0):
     """An authors' probe (LINEAR_PROTOCOLS) on the frozen backbone, crop + flip views -> top-1 %."""
     own = LINEAR_PROTOCOLS[protocol]
-    epochs, lr, batch = (own[k] if v is None else v
-                         for k, v in zip(("epochs", "lr", "batch"), (epochs, lr, batch)))
     images, labels = data.eval_train if not data.streaming else (  # streamed: workers crop + flip
         ImageFiles(data.eval_train.samples, data.image_size, crops=1), data.train_labels)
     probe_set = replace(data, train=images, train_labels=labels)  # drawn as pre-training's batches
@@ -574,7 +561,6 @@ class OnlineProbe:
             group["lr"] = self.lr * lr_scale
         self.optimizer.step()
 
-    @torch.no_grad()
     def accuracy(self, data, ctx, workers=0):
         """Top-1 % on the un-augmented test split, the backbone in eval mode (the DT fork's)."""
         f, y = extract_features(self.backbone, data.eval_test, data, ctx, workers, unit=False)
@@ -617,13 +603,11 @@ def evaluate(backbone, data, ctx, args, final=False, probes=None):
         protocol, given = args.linear_protocol, dict(epochs=args.linear_epochs, lr=args.linear_lr,
                                                      batch=args.linear_batch)
         settings = {k: LINEAR_PROTOCOLS[protocol][k] if v is None else v for k, v in given.items()}
-        if settings["epochs"] and protocol == "fixed":
-            linear = linear_probe(train_f, train_y, test_f, test_y, data.num_classes,
-                                  seed=args.seed, **settings)
-        elif settings["epochs"]:
-            linear = linear_probe_augmented(backbone, data, ctx, protocol, seed=args.seed,
-                                            workers=args.workers, **settings)
         if settings["epochs"]:
+            linear = (linear_probe(train_f, train_y, test_f, test_y, data.num_classes,
+                                   seed=args.seed, **settings) if protocol == "fixed" else
+                      linear_probe_augmented(backbone, data, ctx, protocol, seed=args.seed,
+                                             workers=args.workers, **settings))
             result.update(linear_top1=linear, linear_protocol=protocol)
     return result
 
@@ -663,8 +647,7 @@ class LARS(torch.optim.Optimizer):
             if group["adapt"]:
                 w_norm, g_norm = (torch.stack(torch._foreach_norm(t)) for t in (params, g))
                 trust = group["eta"] * w_norm / g_norm
-                if group["clip"]:
-                    trust = (trust / group["lr"]).clamp(max=1)
+                trust = (trust / group["lr"]).clamp(max=1) if group["clip"] else trust
                 torch._foreach_mul_(g, torch.where((w_norm > 0) & (g_norm > 0), trust, 1).unbind())
             buffers = [self.state[w]["momentum_buffer"] for w in params]
             torch._foreach_mul_(buffers, group["momentum"])
@@ -672,15 +655,11 @@ class LARS(torch.optim.Optimizer):
             torch._foreach_add_(params, buffers, alpha=-group["lr"])
 
 
-def optimizer_groups(groups, lars):
-    """Parameters (or group dicts) -> param groups; for LARS 1-D ones (batch norm, bias) apart,
-    no wd or trust ratio (SimCLR's tf2/model.py lines 40-42, solo-learn's lars.py line 140)."""
-    groups = list(groups)
-    groups = groups if isinstance(groups[0], dict) else [{"params": groups}]
-    if not lars:
-        return groups
-    split = []
-    for group in groups:
+def optimizer_groups(groups):
+    """Parameters (or group dicts) -> LARS's param groups: 1-D ones (batch norm, bias) apart, no wd
+    or trust ratio (SimCLR's tf2/model.py lines 40-42, solo-learn's lars.py line 140)."""
+    groups, split = list(groups), []
+    for group in groups if isinstance(groups[0], dict) else [{"params": groups}]:
         params = list(group["params"])
         split.append({**group, "params": [p for p in params if p.ndim > 1]})
         split.append({**group, "params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0,
@@ -691,10 +670,8 @@ def optimizer_groups(groups, lars):
 def pretraining_optimizer(groups, args, ctx, lr):
     """--optimizer: SGD, momentum 0.9, wd on every parameter (the authors' SGD runs), or LARS."""
     if args.optimizer == "lars":
-        return LARS(optimizer_groups(groups, lars=True), lr, 0.9, args.wd, args.lars_eta,
-                    args.lars_clip)
-    return torch.optim.SGD(optimizer_groups(groups, lars=False), lr=lr, momentum=0.9,
-                           weight_decay=args.wd)
+        return LARS(optimizer_groups(groups), lr, 0.9, args.wd, args.lars_eta, args.lars_clip)
+    return torch.optim.SGD(groups, lr=lr, momentum=0.9, weight_decay=args.wd)
 
 
 # ==================================================================================================

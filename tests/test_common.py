@@ -235,7 +235,7 @@ def test_knn_and_linear_probe_solve_separable_features():
     )
     assert common.knn_accuracy(train_f, train_y, test_f, test_y, 5, k=200, t=0.1) > 99
     assert common.knn_accuracy(train_f, train_y, test_f, test_y, 5, k=1, t=0.1) > 99
-    assert common.linear_probe(train_f, train_y, test_f, test_y, 5, epochs=20) > 99
+    assert common.linear_probe(train_f, train_y, test_f, test_y, 5, 20, 1e-3, 256) > 99
 
 
 def test_knn_and_linear_probe_are_at_chance_on_random_labels():
@@ -247,7 +247,7 @@ def test_knn_and_linear_probe_are_at_chance_on_random_labels():
         train_y[1000:],
     )
     assert common.knn_accuracy(train_f, train_y, test_f, test_y, 5, k=200, t=0.1) < 28
-    assert common.linear_probe(train_f, train_y, test_f, test_y, 5, epochs=20) < 28
+    assert common.linear_probe(train_f, train_y, test_f, test_y, 5, 20, 1e-3, 256) < 28
 
 
 def test_the_augmented_probe_runs_when_the_processes_do_not_divide_its_batch(tiny_folder, tmp_path):
@@ -255,7 +255,8 @@ def test_the_augmented_probe_runs_when_the_processes_do_not_divide_its_batch(tin
     args = simclr_dcl.parse_args(smoke_args(tiny_folder, tmp_path))
     data = common.load_data(args, ctx_for(0, 1))
     backbone = common.ResNet("resnet18", 8, 16)
-    accuracy = common.linear_probe_augmented(backbone, data, ctx_for(0, 3), epochs=1, batch=16)
+    accuracy = common.linear_probe_augmented(backbone, data, ctx_for(0, 3), "gsg-cifar", epochs=1,
+                                             lr=30.0, batch=16)
     correct = accuracy * 6 / 100  # on rank 0's share of the 18 validation images
     assert abs(correct - round(correct)) < 1e-9
 

@@ -167,7 +167,7 @@ def test_the_fixed_probe_standardises_the_test_features_with_the_training_statis
         jitter = 0.5 * torch.rand(n, 1, generator=g) - 0.25  # (n, 1)
         return 100 + 0.1 * ((2 * y[:, None] - 1) + jitter), y
     (train_f, train_y), (test_f, test_y) = features(200), features(100)
-    assert common.linear_probe(train_f, train_y, test_f, test_y, 2, epochs=5, batch=32) == 100.0
+    assert common.linear_probe(train_f, train_y, test_f, test_y, 2, 5, 1e-3, 32) == 100.0
 
 
 def probe_step_by_hand(classifier, features, labels, lr):

@@ -36,8 +36,7 @@ def test_lars_takes_the_formulas_step_tensor_by_tensor(float64, clip):
     model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, 3, bias=False))
     nn.init.zeros_(model[2].weight)  # ||w|| = 0 at the first step: r = 1
     m, wd, eta = 0.9, 1e-2, 0.02
-    optimizer = common.LARS(common.optimizer_groups(model.parameters(), lars=True), 0.5, m, wd,
-                            eta, clip)
+    optimizer = common.LARS(common.optimizer_groups(model.parameters()), 0.5, m, wd, eta, clip)
     expected = {n: p.detach().clone() for n, p in model.named_parameters()}
     buffers = {n: torch.zeros_like(p) for n, p in expected.items()}
     generator, clipped = torch.Generator().manual_seed(1), set()
@@ -65,7 +64,7 @@ def test_lars_takes_the_formulas_step_tensor_by_tensor(float64, clip):
 
 def test_lars_groups_keep_batchnorm_and_biases_out_of_decay_and_trust():
     model = simclr_dcl.SimCLR("resnet18", 4, 8, proj_hidden=16, proj_dim=8)
-    groups = common.optimizer_groups(model.parameters(), lars=True)
+    groups = common.optimizer_groups(model.parameters())
     adapted = [p for g in groups if g.get("adapt", True) for p in g["params"]]
     plain = [g for g in groups if not g.get("adapt", True)]
     assert all(p.ndim > 1 for p in adapted) and len(plain) == 1
@@ -109,8 +108,7 @@ def _streamed_probe(folder, ctx):
     make = common.linear_classifier
     common.linear_classifier = lambda *a, **k: made.append(make(*a, **k)) or made[-1]
     try:
-        top1 = common.linear_probe_augmented(backbone, data, ctx, "moco", epochs=2, batch=16,
-                                             seed=0)
+        top1 = common.linear_probe_augmented(backbone, data, ctx, "moco", 2, 30.0, 16, seed=0)
     finally:
         common.linear_classifier = make
     return {k: v.detach().clone() for k, v in made[0].state_dict().items()}, top1
@@ -262,7 +260,7 @@ def test_lars_equals_the_per_tensor_step_over_20_resnet_steps(clip, monkeypatch)
     torch.manual_seed(0)
     models = [common.ResNet("resnet18", 8, 16) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
-    optimizers = [cls(common.optimizer_groups(m.parameters(), lars=True), 0.5, 0.9, 1e-3, 0.02,
+    optimizers = [cls(common.optimizer_groups(m.parameters()), 0.5, 0.9, 1e-3, 0.02,
                       clip) for cls, m in zip((common.LARS, PerTensorLARS), models)]
     x = torch.randn(4, 3, 16, 16)
     real, made = torch.zeros_like, []
