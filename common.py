@@ -151,7 +151,8 @@ def distribute(model, ctx):
         model = model.to(memory_format=torch.channels_last)
     if ctx.world == 1:
         return model
-    ddp = nn.parallel.DistributedDataParallel  # torch 2.14 renamed broadcast_buffers:
+    ddp = nn.parallel.DistributedDataParallel
+    # torch 2.14 renamed broadcast_buffers (torch.__version__ compares as a version, not as text)
     sync = "forward_sync_buffers" if torch.__version__ >= "2.14" else "broadcast_buffers"
     return ddp(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                **{sync: False})  # global BatchNorm keeps buffers equal: nothing to broadcast

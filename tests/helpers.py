@@ -14,6 +14,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 
 
+class FailingWrites:
+    """A file that common.py opens for writing, whose write(data) calls `fail(file, data)`."""
+
+    def __init__(self, file, fail):
+        self.file, self.fail = file, fail
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exception):
+        self.file.close()
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def write(self, data):
+        return self.fail(self.file, data)
+
+
 def tiny_image_folder(
     root, classes=3, train_per_class=24, val_per_class=6, height=20, width=24, seed=0
 ):

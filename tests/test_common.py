@@ -13,7 +13,7 @@ import torchvision.transforms.functional as TF
 import common
 import simclr_dcl
 from common import Augment, Context, Recipe
-from helpers import check_run_folder, run_distributed, run_script, smoke_args, tiny_image_folder
+from helpers import FailingWrites, check_run_folder, run_distributed, run_script, smoke_args, tiny_image_folder
 
 CPU = torch.device("cpu")
 ONE = torch.ones(4)  # a colour_jitter factor that leaves every image unchanged
@@ -322,21 +322,14 @@ def test_crash_mid_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     path = str(tmp_path / "checkpoint.pt")
     common.write_atomic(path, {"epoch": 1, "w": torch.ones(3)})
 
-    class Crashing:  # the file common.py writes to: half the bytes land, then Ctrl-C
-        def __init__(self, file):
-            self.file = file
+    def half_then_ctrl_c(file, data):  # half the bytes land, then Ctrl-C
+        file.write(data[:len(data) // 2])
+        raise KeyboardInterrupt
 
-        def __enter__(self):
-            return self
+    def crashing_open(*args, **kwargs):  # the file common.py writes to
+        return FailingWrites(open(*args, **kwargs), half_then_ctrl_c)
 
-        def __exit__(self, *exc):
-            self.file.close()
-
-        def write(self, data):
-            self.file.write(data[:len(data) // 2])
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(common, "open", lambda *a, **k: Crashing(open(*a, **k)), raising=False)
+    monkeypatch.setattr(common, "open", crashing_open, raising=False)
     with pytest.raises(KeyboardInterrupt):
         common.write_atomic(path, {"epoch": 2, "w": torch.zeros(3)})
     monkeypatch.undo()

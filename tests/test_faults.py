@@ -19,7 +19,7 @@ import torch
 
 import common
 import simclr_dcl
-from helpers import check_run_folder, smoke_args
+from helpers import FailingWrites, check_run_folder, smoke_args
 from test_common import fails_with
 from test_runs import flat_tensors
 
@@ -161,25 +161,9 @@ def test_a_streamed_run_stopped_and_resumed_evaluates_as_an_uninterrupted_one(
     assert results[0] == results[1] and "linear_top1" in results[0]
 
 
-class FullDisk:
-    """A file opened for writing whose every write fails as on a full disk."""
-
-    def __init__(self, file):
-        self.file = file
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exception):
-        self.file.close()
-
-    def __getattr__(self, name):
-        return getattr(self.file, name)
-
-    def write(self, data):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    writelines = write
+def full_disk(file, data):
+    """Every write fails as on a full disk."""
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def fill_disk_for(monkeypatch, name):
@@ -187,7 +171,7 @@ def fill_disk_for(monkeypatch, name):
     def opener(path, mode="r", *args, **kwargs):
         file = open(path, mode, *args, **kwargs)
         writes = any(m in mode for m in "wax+")
-        return FullDisk(file) if writes and os.path.basename(path).startswith(name) else file
+        return FailingWrites(file, full_disk) if writes and os.path.basename(path).startswith(name) else file
     monkeypatch.setattr(common, "open", opener, raising=False)
 
 
