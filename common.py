@@ -534,7 +534,8 @@ def linear_probe_augmented(backbone, data, ctx, protocol, epochs, lr, batch, see
 
 class OnlineProbe:
     """The DT authors' online classifier (ChaoningZhang/Dual-temperature solo/methods/base.py lines
-    246, 335-343, 424-447) on training views' detached features (a forward hook: lines 475, 482),
+    246, 335-343, 424-447) on training views' detached features, which `keep` collects as a forward
+    hook on `backbone` that main() registers (their lines 475, 482 read the same features),
     SGD momentum 0.9 (solo/args/utils.py line 204), no weight decay, lr 0.3 not scaled by the batch
     (bash_files/*.sh --classifier_lr; utils.py line 212 scales only --lr); its result is `name`."""
 
@@ -542,7 +543,6 @@ class OnlineProbe:
         self.backbone, self.name, self.lr, self.features = backbone, name, lr, []
         self.classifier = linear_classifier(backbone.out_dim, num_classes, ctx.device, seed)
         self.optimizer = torch.optim.SGD(self.classifier.parameters(), lr=lr, momentum=0.9)
-        backbone.register_forward_hook(self.keep)
 
     def keep(self, backbone, inputs, output):
         if backbone.training:  # not evaluation's

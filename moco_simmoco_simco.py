@@ -259,6 +259,8 @@ def main(argv=None):
     peak_lr = args.lr * args.batch_size / 256
     optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, peak_lr)
     probes = common.online_probes(args, data, ctx, model.backbone, key_encoder)
+    for probe in probes.values():  # the probes read the features by a forward hook
+        probe.backbone.register_forward_hook(probe.keep)
     states = {"model": model, "optimizer": optimizer, "key_encoder": key_encoder, "queues": queues,
               **probes}
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0

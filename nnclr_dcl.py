@@ -237,6 +237,8 @@ def main(argv=None):
     optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, peak_lr)
     support_set = SupportSet(args.support_size, args.proj_dim, args.seed).to(ctx.device)
     probes = common.online_probes(args, data, ctx, model.backbone)
+    for probe in probes.values():  # the probes read the features by a forward hook
+        probe.backbone.register_forward_hook(probe.keep)
     states = {"model": model, "optimizer": optimizer, "support_set": support_set, **probes}
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
     common.start_run(args, ctx, data, model.backbone)

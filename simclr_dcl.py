@@ -153,55 +153,100 @@ def recipes(args):
     return [common.Recipe(crop_scale=tuple(args.crop_scale), blur_p=blur_p)] * 2
 
 
-# ------------------------------------------------------------------------------ main loop
+# ---------------------------------------------------------- main loop
 def main(argv=None):
+    # shared: the options, this process and the data
     args = parse_args(argv)
-    ctx = common.setup(args)  # this process's device; the process group under torchrun
+    ctx = common.setup(args)
     data = common.load_data(args, ctx)
     args.image_size = data.image_size
-    torch.manual_seed(args.seed)  # the same initial model on every rank
-    model = SimCLR(args.arch, args.width, data.image_size, args.proj_hidden, args.proj_dim,
+    # The same initial model on every rank.
+    torch.manual_seed(args.seed)
+
+    # own: SimCLR's network
+    model = SimCLR(args.arch, args.width, data.image_size,
+                   args.proj_hidden, args.proj_dim,
                    args.stem_padding)
-    net = common.distribute(model.to(ctx.device), ctx)  # global BatchNorm + DDP; `model` stays bare
-    net = torch.compile(net) if args.compile else net
+    model = model.to(ctx.device)
+    backbone = model.backbone
+
+    # shared: global BatchNorm and DDP; `model` stays bare
+    net = common.distribute(model, ctx)
+    if args.compile:
+        net = torch.compile(net)
     peak_lr = args.lr * args.batch_size / 256
-    optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, peak_lr)
-    probes = common.online_probes(args, data, ctx, model.backbone)
-    states = {"model": model, "optimizer": optimizer, **probes}  # checkpoint.pt
-    start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
-    common.start_run(args, ctx, data, model.backbone)
-    augment = common.Augment(recipes(args), data.image_size, data.mean, data.std, ctx)
+
+    # own: the optimiser, the probes, what a checkpoint keeps
+    optimizer = common.pretraining_optimizer(
+        model.parameters(), args, ctx, peak_lr)
+    probes = common.online_probes(args, data, ctx, backbone)
+    states = {"model": model, "optimizer": optimizer, **probes}
+
+    # shared: the probes, resume, the run folder, augmentation
+    for probe in probes.values():
+        # A probe learns from the features its backbone makes
+        # in train_step: a forward hook hands them to it.
+        probe.backbone.register_forward_hook(probe.keep)
+    start_epoch = 0
+    if args.resume:
+        start_epoch = common.load_checkpoint(ctx, states)
+    common.start_run(args, ctx, data, backbone)
+    augment = common.Augment(recipes(args), data.image_size,
+                             data.mean, data.std, ctx)
     steps = len(data) // args.batch_size
 
     for epoch in range(start_epoch, args.epochs):
-        # data order, on the CPU; augmentation on the device
-        order, generator = common.epoch_generators(args.seed, epoch, ctx.device)
-        meter = common.EpochMeter(ctx, epoch, args.epochs, steps, args.batch_size)
-        batches = common.train_batches(data, args.batch_size, order, ctx, args.workers)
+        # shared: this epoch's order and draws, its progress bar
+        order, generator = common.epoch_generators(
+            args.seed, epoch, ctx.device)
+        meter = common.EpochMeter(ctx, epoch, args.epochs,
+                                  steps, args.batch_size)
+        batches = common.train_batches(
+            data, args.batch_size, order, ctx, args.workers)
         for step, (images, labels) in enumerate(batches):
-            lr = common.learning_rate(epoch * steps + step, args.epochs * steps,
-                                      args.warmup_epochs * steps, peak_lr)
+            # own: the schedule, the augmented views, the step
+            lr = common.learning_rate(
+                epoch * steps + step, args.epochs * steps,
+                args.warmup_epochs * steps, peak_lr)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             views = augment(images, generator)
             loss, q = train_step(net, optimizer, views, args, ctx)
-            for probe in probes.values():  # the views' features this step kept
+
+            # shared: the probes learn from this step's features
+            for probe in probes.values():
                 probe.step(labels, lr / peak_lr)
-            meter.update(lr, loss=loss, npc_mean=q.mean(), npc_sq=(q * q).mean())
+
+            # own: the epoch's means of the loss and of q_B
+            meter.update(lr, loss=loss, npc_mean=q.mean(),
+                         npc_sq=(q * q).mean())
+
+        # shared: the epoch's means, checked
         record = meter.summary()
         common.check_finite(record)
-        # DCL Fig. 1: the mean NPC multiplier <q_B> and its coefficient of variation
-        npc_sq = record.pop("npc_sq")
-        record["npc_cv"] = math.sqrt(max(npc_sq - record["npc_mean"] ** 2, 0)) / record["npc_mean"]
-        if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
-            record.update(common.evaluate(model.backbone, data, ctx, args, probes=probes))
-        common.log_epoch(ctx, record)
-        common.save_checkpoint(ctx, epoch + 1, states)
-        if args.stop_after == epoch + 1 < args.epochs:
-            return ctx.print(f"stopped after epoch {epoch + 1}: continue with --resume {ctx.out}")
 
-    results = common.evaluate(model.backbone, data, ctx, args, final=True, probes=probes)
-    common.finish(ctx, model.backbone, results)
+        # own: DCL Fig. 1, the mean NPC multiplier <q_B> and
+        # its coefficient of variation
+        npc_mean = record["npc_mean"]
+        npc_var = max(record.pop("npc_sq") - npc_mean ** 2, 0)
+        record["npc_cv"] = math.sqrt(npc_var) / npc_mean
+
+        # shared: the kNN monitor, the log, the checkpoint
+        done = epoch + 1
+        if done % args.eval_every == 0 or done == args.epochs:
+            record.update(common.evaluate(
+                backbone, data, ctx, args, probes=probes))
+        common.log_epoch(ctx, record)
+        common.save_checkpoint(ctx, done, states)
+        if done == args.stop_after and done < args.epochs:
+            ctx.print(f"stopped after epoch {done}: "
+                      f"continue with --resume {ctx.out}")
+            return
+
+    # shared: the final evaluation, backbone.pt, results.json
+    results = common.evaluate(backbone, data, ctx, args,
+                              final=True, probes=probes)
+    common.finish(ctx, backbone, results)
 
 
 if __name__ == "__main__":

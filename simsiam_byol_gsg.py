@@ -251,6 +251,8 @@ def main(argv=None):
               {"params": model.predictor.parameters(), "fix_lr": args.fix_pred_lr}]
     optimizer = common.pretraining_optimizer(groups, args, ctx, peak_lr)
     probes = common.online_probes(args, data, ctx, model.encoder.backbone, target)
+    for probe in probes.values():  # the probes read the features by a forward hook
+        probe.backbone.register_forward_hook(probe.keep)
     states = {"model": model, "optimizer": optimizer, "target": target, **probes}  # checkpoint.pt
     start_epoch = common.load_checkpoint(ctx, states) if args.resume else 0
     common.start_run(args, ctx, data, model.encoder.backbone)
