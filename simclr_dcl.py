@@ -155,12 +155,15 @@ def recipes(args):
 
 # ---------------------------------------------------------- main loop
 def main(argv=None):
-    # shared: the options, this process and the data
+    # shared: the options and this process
     args = parse_args(argv)
     ctx = common.setup(args)
+
+    # own: the data, one image a row
     data = common.load_data(args, ctx)
+
+    # shared: the image size; the same initial model on every rank
     args.image_size = data.image_size
-    # The same initial model on every rank.
     torch.manual_seed(args.seed)
 
     # own: SimCLR's network
