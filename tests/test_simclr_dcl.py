@@ -292,10 +292,22 @@ def check_run_folder(out, epochs):
 
 def test_smoke_python_and_torchrun_agree(tiny_folder, tmp_path):
     """The acceptance run, as `python` and as `torchrun --nproc_per_node=2`: both write the run
-    folder (rank 0 alone: one metrics line per epoch) and take the same steps. Two epochs of one
-    step each: in float32 the tiny width-8 network turns rounding differences into different
-    ReLU patterns within a few steps (a pre-activation of 6e-7 changes sign), so longer float32
-    runs drift apart; exact equality over several steps is the float64 test above."""
+    folder (rank 0 alone: one metrics line per epoch) and compute the same run, two epochs of one
+    step each.
+
+    Epoch 1 logs the first step's loss and <q_B>, before any update: the same model on the same
+    global batch through functions continuous in every rounding, so the launchers differ only by
+    float32 rounding in other summation orders (global BatchNorm, the gather, the means over
+    ranks): 1.9e-6 and 6e-8 measured, 4 float32 ulps of a loss of 4.56. The bounds 1e-4 and 1e-5
+    leave 50x for other machines' kernels; real disagreements move the loss far more: DCLW's mean
+    over one rank's pairs 0.019, its sum over every rank divided by one rank's count (a wrong
+    world-size scaling) 1.7, the positives looked up in rank 0's columns 1.7. After an update,
+    float32 runs drift: the gradient is not continuous in rounding (a ReLU pre-activation of 6e-7
+    that changes sign switches its derivative), so the first step's gradients lie ~1% apart and
+    epoch 2's losses 4.3e-4; exact equality of steps is the float64 tests' job (above). So the
+    backbones after both steps are compared with how far the steps moved them: 8% of the move
+    apart measured, the bound one half; steps on world x the loss lie 1.7 moves apart, steps with
+    the negatives gathered without their gradient 0.66."""
     args = lambda out: smoke_args(tiny_folder, out, "--epochs", "2", "--loss", "dclw",
                                   "--limit-train", "16")
     one = run_script("simclr_dcl.py", args(tmp_path / "one"))
@@ -310,15 +322,24 @@ def test_smoke_python_and_torchrun_agree(tiny_folder, tmp_path):
     lines2, _ = check_run_folder(tmp_path / "two", 2)
     assert {"npc_mean", "npc_cv", "knn_top1", "images_per_s", "lr"} <= lines1[-1].keys()
     assert 0 < lines1[0]["npc_mean"] < 1
-    for a, b in zip(lines1, lines2):
-        assert abs(a["loss"] - b["loss"]) < 1e-4
+    assert abs(lines1[0]["loss"] - lines2[0]["loss"]) < 1e-4
+    assert abs(lines1[0]["npc_mean"] - lines2[0]["npc_mean"]) < 1e-5
+    assert [a["lr"] for a in lines1] == [b["lr"] for b in lines2]
     config = json.load(open(tmp_path / "two" / "config.json"))
     assert config["world_size"] == 2 and config["args"]["loss"] == "dclw"
     assert "torch" in config["versions"]
+    run = config["args"]
+    torch.manual_seed(run["seed"])  # main()'s initial model
+    initial = simclr_dcl.SimCLR(run["arch"], run["width"], run["image_size"], run["proj_hidden"],
+                                run["proj_dim"], run["stem_padding"]).backbone.state_dict()
     w1 = torch.load(tmp_path / "one" / "backbone.pt")
     w2 = torch.load(tmp_path / "two" / "backbone.pt")
+    assert w1.keys() == initial.keys()
+    assert w2.keys() == initial.keys()
     for key in w1:
-        assert torch.allclose(w1[key].float(), w2[key].float(), rtol=1e-3, atol=1e-4), key
+        moved = (w1[key].double() - initial[key].double()).abs().max()
+        apart = (w1[key].double() - w2[key].double()).abs().max()
+        assert apart <= moved / 2, key
 
 
 @pytest.mark.parametrize("loss", ["infonce", "dcl"])
