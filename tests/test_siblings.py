@@ -1,6 +1,7 @@
 """The concepts two method files share look alike in each (STYLE.md habit 15): the FIFO of
 embeddings, the momentum encoder and its EMA, the recipe function and train_step's arguments."""
 import inspect
+import re
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import simclr_dcl
 import simsiam_byol_gsg as gsg
 
 METHOD_FILES = (simclr_dcl, mss, nnclr_dcl, gsg)
+MARKER = re.compile(r"^ *# (shared|own): ", re.M)
 
 
 def test_key_queue_and_support_set_are_one_fifo_shape():
@@ -67,3 +69,38 @@ def test_every_method_file_has_recipes_and_the_same_first_train_step_arguments()
         assert not hasattr(module, "recipe"), module
         first = list(inspect.signature(module.train_step).parameters)[:5]
         assert first == ["net", "optimizer", "views", "args", "ctx"], module
+
+
+def blocks(module):
+    """main()'s marked blocks: [(kind, text)], each from its marker
+    line to the next marker (or main's end), blank lines dropped."""
+    source = inspect.getsource(module.main)
+    starts = [m.start() for m in MARKER.finditer(source)]
+    pieces = []
+    for start, end in zip(starts, starts[1:] + [len(source)]):
+        text = source[start:end]
+        lines = [line for line in text.splitlines() if line.strip()]
+        kind = MARKER.match(text).group(1)
+        pieces.append((kind, "\n".join(lines)))
+    return source, starts, pieces
+
+
+def test_every_main_marks_its_shared_and_own_lines():
+    """Each main() is marked in blocks from its second line on:
+    `# shared: ...` the lines every method file repeats, word for
+    word, in the same order; `# own: ...` the method's own lines.
+    A reader adding a method copies the shared blocks and writes
+    the own ones."""
+    shared = {}
+    for module in METHOD_FILES:
+        source, starts, pieces = blocks(module)
+        body = source.splitlines()[1:]
+        first = next(line for line in body if line.strip())
+        assert MARKER.match(first), (module.__name__, first)
+        texts = [text for kind, text in pieces if kind == "shared"]
+        shared[module.__name__] = texts
+        assert any(kind == "own" for kind, _ in pieces), module
+    reference = shared[simclr_dcl.__name__]
+    assert len(reference) >= 5
+    for name, texts in shared.items():
+        assert texts == reference, name
