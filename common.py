@@ -137,8 +137,9 @@ def sync_batchnorm(module, ctx):
     for name, child in module.named_children() if ctx.world > 1 else ():
         if isinstance(child, nn.modules.batchnorm._BatchNorm):
             synced = GlobalBatchNorm(child.num_features, child.eps, child.momentum, child.affine)
-            synced.load_state_dict(child.state_dict())
-            setattr(module, name, synced.to(child.running_mean))
+            for key, t in [*child.named_parameters(recurse=False), *child.named_buffers(recurse=False)]:
+                setattr(synced, key, t)
+            setattr(module, name, synced)
         else:
             sync_batchnorm(child, ctx)
     return module
@@ -237,10 +238,10 @@ class Augment:
                 for v, recipe in enumerate(self.recipes)]
 
     def view(self, image, r, generator, crop=True):
-        b, start = image.shape[0], self.ctx.rank * image.shape[0]
+        b, start = image.shape[0], rank() * image.shape[0]
 
         def rand(shape):  # uniforms for the global batch; this rank's rows
-            shape = (b * self.ctx.world,) + ((shape,) if isinstance(shape, int) else shape)[1:]
+            shape = (b * world_size(),) + ((shape,) if isinstance(shape, int) else shape)[1:]
             full = torch.rand(shape, generator=generator, device=generator.device)
             return full[start:start + b].to(self.ctx.device)
 
@@ -597,8 +598,11 @@ def evaluate(backbone, data, ctx, args, final=False, probes=None):
     for probe in (probes or {}).values():
         result[probe.name] = probe.accuracy(data, ctx, args.workers)
     if final:  # the method: the script and the options that choose it
-        flags = [f"--{k} {getattr(args, k)}" for k in ("loss", "method", "stopgrad")
-                 if hasattr(args, k)]
+        parser = argparse.ArgumentParser()
+        add_common_args(parser)
+        shared = vars(parser.parse_args([]))
+        flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
+                 if k not in shared and v is not None and v is not False]
         result = {"method": " ".join([f"{RUN['script']}.py", *flags]), **result,
                   "knn_k": args.knn_k, "knn_k1_top1": knn(1), "epochs": args.epochs}
         protocol, given = args.linear_protocol, dict(epochs=args.linear_epochs, lr=args.linear_lr,
