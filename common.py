@@ -1,18 +1,22 @@
-"""Shared infrastructure for the four method files; no loss, head or training step lives here.
+"""Shared infrastructure of the four method files; no loss, head or
+training step lives here.
 
-Part 1, what the methods build on (read it next to a method file):
-  processes and gathers    Context, gather(_with_grad), all_reduce_sum, GlobalBatchNorm, distribute
-  ResNet                   torchvision's blocks and names at any width; CIFAR stem <= 64 px
-  augmentation             Recipe, Augment (per-sample draws on the device), then its ops in order
-  data order and batches   epoch_generators, train_batches
-  evaluation               extract_features, knn_accuracy, the linear probes, OnlineProbe, evaluate
-  optimisers               learning_rate, LARS, pretraining_optimizer
+Part 1, what the methods build on (read it beside a method file):
+  processes and gathers: Context, gather(_with_grad), all_reduce_sum,
+    GlobalBatchNorm, distribute
+  ResNet: torchvision's at any width, CIFAR stem up to 64 px
+  augmentation: Recipe, Augment (per-sample draws), then its ops
+  data order and batches: epoch_generators, train_batches
+  evaluation: extract_features, knn_accuracy, the linear probes,
+    OnlineProbe, evaluate
+  optimisers: learning_rate, LARS, pretraining_optimizer
 Part 2, plumbing that changes nothing a method computes:
-  errors and command line  UserError, run, add_common_args, parse_args (a resume parses the recorded
-                           command line again), setup
-  epoch log and run folder EpochMeter, log_epoch, hold_run_folder (the lock), write_atomic,
-                           start_run, save_checkpoint, load_checkpoint, finish
-  data                     load_data, texture_images, torchvision_split, image_folder, ImageFiles
+  errors and command line: UserError, run, add_common_args,
+    parse_args, setup
+  epoch log and run folder: EpochMeter, log_epoch, hold_run_folder,
+    write_atomic, start_run, save_checkpoint, load_checkpoint, finish
+  data: load_data, texture_images, torchvision_split, image_folder,
+    ImageFiles
 """
 import argparse
 import contextlib
@@ -32,21 +36,24 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-# torchvision imports torch._dynamo, which, imported after init_process_group, keeps gloo's threads
-# alive past destroy_process_group and can abort Python's exit (torch 2.14): here, before setup.
+# torchvision imports torch._dynamo, which, imported after
+# init_process_group, keeps gloo's threads alive past
+# destroy_process_group and can abort Python's exit (torch 2.14):
+# hence here, before setup.
 import torchvision
 import torchvision.transforms.v2 as T
 import torchvision.transforms.v2.functional as TF
 from PIL import Image
-from torchvision.transforms.functional import rgb_to_grayscale as grayscale  # takes batches too
+from torchvision.transforms.functional import (
+    rgb_to_grayscale as grayscale)  # it takes batches too
 from torchvision.models.resnet import BasicBlock, Bottleneck
 from tqdm import tqdm
 
 
-# ==================================================================================================
+# =============================================================================
 # Part 1: what the methods build on
-# ==================================================================================================
-# ---------------------------------------------------------------------------- processes and gathers
+# =============================================================================
+# ------------------------------------------------------ processes and gathers
 @dataclass
 class Context:
     rank: int
@@ -57,9 +64,10 @@ class Context:
     amp: bool
 
     def autocast(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp)
+        bf16 = torch.bfloat16
+        return torch.autocast(self.device.type, bf16, enabled=self.amp)
 
-    def print(self, text, file=None):  # file: sys.stdout, or sys.stderr for warnings
+    def print(self, text, file=None):  # file: sys.stderr, warnings
         if self.rank == 0:
             tqdm.write(text, file=file)
 
@@ -73,7 +81,7 @@ def world_size():
 
 
 class _GatherWithGrad(torch.autograd.Function):
-    """dist.all_gather with a backward (it has none): my rows' gradient summed over all ranks."""
+    """dist.all_gather with a backward (it has none)."""
 
     @staticmethod
     def forward(ctx, x):
@@ -81,22 +89,28 @@ class _GatherWithGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad, rows = all_reduce_sum(grad.contiguous()), grad.shape[0] // world_size()
+        grad = all_reduce_sum(grad.contiguous())  # every loss reads my rows
+        rows = grad.shape[0] // world_size()  # B
         return grad[rank() * rows:(rank() + 1) * rows]
 
 
 def gather_with_grad(x):
-    """(B, ...) on each rank -> (world * B, ...) in rank order, differentiable."""
+    """(B, ...) on each rank -> (world * B, ...) in rank order, with
+    grad: each rank's rows receive the sum over all ranks of the
+    gradient with respect to them, so with DDP's average N processes
+    give one process's gradient on the whole batch."""
     return _GatherWithGrad.apply(x) if world_size() > 1 else x
 
 
 @torch.no_grad()
 def gather(x):
-    """(B, ...) on each rank -> (world * B, ...) in rank order, no gradient."""
+    """gather_with_grad's forward, with no gradient."""
     if world_size() == 1:
         return x
     out = x.new_empty((world_size() * x.shape[0],) + x.shape[1:])
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # < 2.14
+    # all_gather_into_tensor before torch 2.14
+    all_gather = getattr(dist, "all_gather_single", None)
+    all_gather = all_gather or dist.all_gather_into_tensor
     all_gather(out, x.contiguous())
     return out
 
@@ -109,8 +123,9 @@ def all_reduce_sum(x):
 
 
 class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm over all ranks' rows (equal per rank): channel means and variances gathered with
-    grad, no host sync (torch's SyncBatchNorm drops empty ranks with masks: 3 syncs a layer)."""
+    """BatchNorm over all ranks' rows (equal per rank): means and
+    variances gathered with grad, no host sync (torch's SyncBatchNorm
+    drops empty ranks with masks: 3 syncs a layer)."""
 
     def _check_input_dim(self, x):  # (B, C) and (B, C, H, W) alike
         pass
@@ -118,104 +133,138 @@ class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
     def forward(self, x):
         if not self.training:
             return super().forward(x)
-        x, shape = float32(x), [1, -1] + [1] * (x.dim() - 2)  # statistics in float32 at least
-        var, mean = torch.var_mean(x, [d for d in range(x.dim()) if d != 1], correction=0)
-        means, variances = gather_with_grad(torch.stack([mean, var])[None]).unbind(1)  # (world, C)
-        mean = means.mean(0)
-        var = (variances + (means - mean) ** 2).mean(0)  # the law of total variance
-        n = x.numel() // x.shape[1] * len(means)  # the global batch's values per channel
+        x = float32(x)  # statistics in float32 at least
+        shape = [1, -1] + [1] * (x.dim() - 2)  # per channel
+        dims = [d for d in range(x.dim()) if d != 1]
+        var, mean = torch.var_mean(x, dims, correction=0)  # (C,)
+        stats = torch.stack([mean, var])[None]  # (1, 2, C)
+        means, variances = gather_with_grad(stats).unbind(1)
+        mean = means.mean(0)  # means: (world, C)
+        var = (variances + (means - mean) ** 2).mean(0)  # total variance
+        n = x.numel() // x.shape[1] * len(means)  # values per channel
         with torch.no_grad():
             self.running_mean.lerp_(mean, self.momentum)
-            self.running_var.lerp_(var * n / (n - 1), self.momentum)  # unbiased, as torch's
+            unbiased = var * n / (n - 1)  # as torch's
+            self.running_var.lerp_(unbiased, self.momentum)
             self.num_batches_tracked.add_(1)
         x = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
-        return x * self.weight.view(shape) + self.bias.view(shape) if self.affine else x
+        if not self.affine:
+            return x
+        return x * self.weight.view(shape) + self.bias.view(shape)
 
 
 def sync_batchnorm(module, ctx):
-    """Every BatchNorm of `module`, in place, a GlobalBatchNorm (with more than one process)."""
-    for name, child in module.named_children() if ctx.world > 1 else ():
-        if isinstance(child, nn.modules.batchnorm._BatchNorm):
-            synced = GlobalBatchNorm(child.num_features, child.eps, child.momentum, child.affine)
-            synced.load_state_dict(child.state_dict())
-            setattr(module, name, synced.to(child.running_mean))
-        else:
+    """Every BatchNorm of `module`, in place, a GlobalBatchNorm (with
+    more than one process) on its own tensors, which an optimiser
+    built before holds."""
+    if ctx.world == 1:
+        return module
+    for name, child in module.named_children():
+        if not isinstance(child, nn.modules.batchnorm._BatchNorm):
             sync_batchnorm(child, ctx)
+            continue
+        synced = GlobalBatchNorm(
+            child.num_features, child.eps, child.momentum, child.affine)
+        state = child.state_dict(keep_vars=True)  # not copies
+        for key, tensor in state.items():
+            setattr(synced, key, tensor)
+        setattr(module, name, synced)
     return module
 
 
 def distribute(model, ctx):
-    """-> the module to call; `model` itself stays bare (its state_dict has no 'module.' prefix)."""
+    """-> the module to call; `model` itself stays bare (its
+    state_dict has no 'module.' prefix)."""
     model = sync_batchnorm(model, ctx)
-    if ctx.device.type == "cuda":
+    cuda = ctx.device.type == "cuda"
+    if cuda:
         model = model.to(memory_format=torch.channels_last)
     if ctx.world == 1:
         return model
-    ddp = nn.parallel.DistributedDataParallel
-    # torch 2.14 renamed broadcast_buffers (torch.__version__ compares as a version, not as text)
-    sync = "forward_sync_buffers" if torch.__version__ >= "2.14" else "broadcast_buffers"
-    return ddp(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-               **{sync: False})  # global BatchNorm keeps buffers equal: nothing to broadcast
+    # torch 2.14 renamed broadcast_buffers (torch.__version__
+    # compares as a version, not as text)
+    old = torch.__version__ < "2.14"
+    sync = "broadcast_buffers" if old else "forward_sync_buffers"
+    ids = [ctx.device.index] if cuda else None
+    # global BatchNorm keeps buffers equal: nothing to broadcast
+    return nn.parallel.DistributedDataParallel(
+        model, device_ids=ids, **{sync: False})
 
 
 def to_device(t, device):
-    """CPU tensor -> `device` with no host sync (from pageable memory a copy waits for the GPU)."""
-    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+    """CPU tensor -> `device`, no host sync (from pageable memory a
+    copy waits for the GPU)."""
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def float32(t):
-    """The loss's precision: bf16 outputs of autocast -> float32; float32 and float64 unchanged."""
+    """The loss's precision: autocast's bf16 -> float32; float32 and
+    float64 unchanged."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-# ------------------------------------------------------------------------------------------- ResNet
+# --------------------------------------------------------------------- ResNet
 class ResNet(nn.Module):
-    """ResNet-18/34/50, no classifier: (B, 3, S, S) -> (B, out_dim); torchvision's blocks and names
-    at any `width` (at 64 its weights load, fc dropped). Up to 64 px the CIFAR stem, no max-pool
-    (ImageNet's shrinks 32 px to 8); `stem_padding` 1 keeps 32 x 32, DT's and solo-learn's 2: 34."""
-    LAYERS = {"resnet18": (BasicBlock, [2, 2, 2, 2]), "resnet34": (BasicBlock, [3, 4, 6, 3]),
+    """ResNet-18/34/50, no classifier: (B, 3, S, S) -> (B, out_dim);
+    torchvision's blocks and names at any `width` (at 64 its weights
+    load, fc dropped). Up to 64 px the CIFAR stem, no max-pool
+    (ImageNet's shrinks 32 px to 8); `stem_padding` 1 keeps 32 x 32,
+    DT's and solo-learn's 2: 34."""
+    LAYERS = {"resnet18": (BasicBlock, [2, 2, 2, 2]),
+              "resnet34": (BasicBlock, [3, 4, 6, 3]),
               "resnet50": (Bottleneck, [3, 4, 6, 3])}
 
-    def __init__(self, arch="resnet18", width=64, image_size=32, stem_padding=1,
-                 zero_init_residual=False):
+    def __init__(self, arch="resnet18", width=64, image_size=32,
+                 stem_padding=1, zero_init_residual=False):
         super().__init__()
         block, blocks = self.LAYERS[arch]
         small = image_size <= 64
-        stem = (3, 1, stem_padding) if small else (7, 2, 3)  # kernel, stride, padding
+        # kernel, stride, padding
+        stem = (3, 1, stem_padding) if small else (7, 2, 3)
         self.conv1 = nn.Conv2d(3, width, *stem, bias=False)
         self.bn1 = nn.BatchNorm2d(width)
         self.maxpool = nn.Identity() if small else nn.MaxPool2d(3, 2, 1)
         c_in = width
         for i, n in enumerate(blocks):
-            layer, c = [], width * 2 ** i
+            c = width * 2 ** i
+            layer = []
             for j in range(n):
-                stride, c_out = 2 if i > 0 and j == 0 else 1, c * block.expansion
-                shortcut = None if stride == 1 and c_in == c_out else nn.Sequential(
-                    nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+                stride = 2 if i > 0 and j == 0 else 1
+                c_out = c * block.expansion
+                shortcut = None
+                if stride != 1 or c_in != c_out:
+                    shortcut = nn.Sequential(
+                        nn.Conv2d(c_in, c_out, 1, stride, bias=False),
+                        nn.BatchNorm2d(c_out))
                 layer.append(block(c_in, c, stride, shortcut))
                 c_in = c_out
             setattr(self, f"layer{i + 1}", nn.Sequential(*layer))
         self.out_dim = c_in
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+                nn.init.kaiming_normal_(
+                    m.weight, mode="fan_out", nonlinearity="relu")
             if zero_init_residual and isinstance(m, (BasicBlock, Bottleneck)):
-                # each block starts as the identity (official SimSiam / GSG code)
-                nn.init.zeros_(m.bn3.weight if isinstance(m, Bottleneck) else m.bn2.weight)
+                # blocks start as identities (official SimSiam / GSG code)
+                last = m.bn3 if isinstance(m, Bottleneck) else m.bn2
+                nn.init.zeros_(last.weight)
 
     def forward(self, x):
         x = self.maxpool(F.relu(self.bn1(self.conv1(x))))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        return torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
+        return torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)  # (B, C)
 
 
-# ------------------------------------------------------------------------------------- augmentation
+# --------------------------------------------------------------- augmentation
 @dataclass
 class Recipe:  # one view's augmentation
     crop_scale: tuple = (0.08, 1.0)
     crop_ratio: tuple = (3 / 4, 4 / 3)
     flip_p: float = 0.5
-    jitter: tuple = (0.4, 0.4, 0.4, 0.1)  # brightness, contrast, saturation, hue
+    # brightness, contrast, saturation, hue
+    jitter: tuple = (0.4, 0.4, 0.4, 0.1)
     jitter_p: float = 0.8
     gray_p: float = 0.2
     blur_p: float = 0.0
@@ -224,88 +273,121 @@ class Recipe:  # one view's augmentation
 
 
 class Augment:
-    """A Recipe per view on the device, parameters per sample (transforms.v2: one set per batch),
-    drawn for the global batch alike on every rank, each keeping its rows: N processes as one."""
+    """A Recipe per view on the device, parameters per sample
+    (transforms.v2: one set per batch), drawn for the global batch
+    alike on every rank, each keeping its rows: N processes as one."""
 
     def __init__(self, recipes, size, mean, std, ctx):
         self.recipes, self.size, self.ctx = recipes, size, ctx
-        self.mean, self.std = (torch.tensor(t, device=ctx.device) for t in (mean, std))
+        self.mean = torch.tensor(mean, device=ctx.device)
+        self.std = torch.tensor(std, device=ctx.device)
 
     def __call__(self, x, generator):
-        """uint8 (b, 3, H, W), or (b, V, 3, S, S) pre-cropped -> list of V normalised views."""
-        return [self.view(x[:, v] if x.dim() == 5 else x, recipe, generator, crop=x.dim() == 4)
-                for v, recipe in enumerate(self.recipes)]
+        """uint8 (b, 3, H, W), or (b, V, 3, S, S) pre-cropped -> V
+        normalised views."""
+        crop = x.dim() == 4
+        return [self.view(x if crop else x[:, v], r, generator, crop)
+                for v, r in enumerate(self.recipes)]
 
     def view(self, image, r, generator, crop=True):
-        b, start = image.shape[0], self.ctx.rank * image.shape[0]
+        b = image.shape[0]
+        start = rank() * b  # the rank the losses read
 
-        def rand(shape):  # uniforms for the global batch; this rank's rows
-            shape = (b * self.ctx.world,) + ((shape,) if isinstance(shape, int) else shape)[1:]
-            full = torch.rand(shape, generator=generator, device=generator.device)
+        def rand(shape):  # uniforms for the global batch; my rows
+            if isinstance(shape, int):
+                shape = (shape,)
+            shape = (b * world_size(),) + shape[1:]
+            full = torch.rand(
+                shape, generator=generator, device=generator.device)
             return full[start:start + b].to(self.ctx.device)
 
-        def where(p, y, x):  # y for the samples drawn with probability p, else x
+        def where(p, y, x):  # y where drawn with probability p
             return torch.where((rand(b) < p).view(-1, 1, 1, 1), y, x)
 
         x = image.float() / 255
         if crop:
-            box = sample_crop_boxes(rand, b, x.shape[2], x.shape[3], r.crop_scale, r.crop_ratio)
+            H, W = x.shape[2:]
+            box = sample_crop_boxes(
+                rand, b, H, W, r.crop_scale, r.crop_ratio)
             x = resized_crop_flip(x, *box, rand(b) < r.flip_p, self.size)
         if any(r.jitter):
             jitter = rand(b) < r.jitter_p  # drawn before the factors
-            # U(max(0, 1 - s), 1 + s): torchvision's ColorJitter clips the range at 0
-            factors = [max(0, 1 - s) + (1 + s - max(0, 1 - s)) * rand(b) for s in r.jitter[:3]]
-            hue = r.jitter[3] * (2 * rand(b) - 1) if r.jitter[3] > 0 else None
-            order = rand((b, 4)).argsort(1)  # per image, as transforms.py ColorJitter.get_params
-            x = torch.where(jitter.view(-1, 1, 1, 1), colour_jitter(x, *factors, hue, order), x)
+            # ColorJitter's ranges, clipped at 0
+            factors = [max(0, 1 - s) + (1 + s - max(0, 1 - s)) * rand(b)
+                       for s in r.jitter[:3]]
+            hue = None
+            if r.jitter[3] > 0:
+                hue = r.jitter[3] * (2 * rand(b) - 1)
+            # per image, as transforms.py ColorJitter.get_params
+            order = rand((b, 4)).argsort(1)  # (b, 4)
+            jittered = colour_jitter(x, *factors, hue, order)
+            x = torch.where(jitter.view(-1, 1, 1, 1), jittered, x)
         if r.gray_p > 0:
             x = where(r.gray_p, grayscale(x).expand_as(x), x)
         if r.blur_p > 0:
-            sigma = r.blur_sigma[0] + (r.blur_sigma[1] - r.blur_sigma[0]) * rand(b)
-            kernel = (self.size // 10) | 1  # odd, about 10% of the image (SimCLR's 23 px at 224)
+            low, high = r.blur_sigma
+            sigma = low + (high - low) * rand(b)
+            # odd, ~10% of the image (SimCLR's 23 px at 224)
+            kernel = (self.size // 10) | 1
             x = where(r.blur_p, gaussian_blur(x, sigma, kernel), x)
-        if r.solarize_p > 0:
-            x = where(r.solarize_p, TF.solarize(x, 0.5), x)  # torchvision's, batched
+        if r.solarize_p > 0:  # torchvision's, batched
+            x = where(r.solarize_p, TF.solarize(x, 0.5), x)
         return normalize(x, self.mean, self.std)
 
 
 def sample_crop_boxes(rand, n, height, width, scale, ratio, tries=10):
-    """RandomResizedCrop's box sampler, batched -> top, left, h, w (n,): of `tries` draws of (area,
-    log-ratio) the first that fits, else a centre crop, ratio clamped; rand(shape): U[0, 1)."""
-    area = height * width * (scale[0] + (scale[1] - scale[0]) * rand((n, tries)))
-    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    """RandomResizedCrop's box sampler, batched -> top, left, h, w
+    (n,): of `tries` draws of (area, log-ratio) the first that fits,
+    else a centre crop, ratio clamped; rand(shape): U[0, 1)."""
+    scales = scale[0] + (scale[1] - scale[0]) * rand((n, tries))
+    area = height * width * scales  # (n, tries)
+    log_lo, log_hi = map(math.log, ratio)
     aspect = torch.exp(log_lo + (log_hi - log_lo) * rand((n, tries)))
-    w, h = torch.round(torch.sqrt(area * aspect)), torch.round(torch.sqrt(area / aspect))
+    w = torch.round(torch.sqrt(area * aspect))
+    h = torch.round(torch.sqrt(area / aspect))
     fits = (w > 0) & (h > 0) & (w <= width) & (h <= height)
-    first = fits.float().argmax(1, keepdim=True)  # the first draw that fits
-    w, h, found = w.gather(1, first)[:, 0], h.gather(1, first)[:, 0], fits.any(1)
+    first = fits.float().argmax(1, keepdim=True)  # the first that fits
+    w = w.gather(1, first)[:, 0]
+    h = h.gather(1, first)[:, 0]
+    found = fits.any(1)
     fh = round(width / ratio[0]) if width / height < ratio[0] else height
     fw = round(height * ratio[1]) if width / height > ratio[1] else width
-    w, h = torch.where(found, w, float(fw)), torch.where(found, h, float(fh))
-    u, v = rand((n,)), rand((n,))
-    top = torch.where(found, torch.floor(u * (height - h + 1)), torch.floor((height - h) / 2))
-    left = torch.where(found, torch.floor(v * (width - w + 1)), torch.floor((width - w) / 2))
+    w = torch.where(found, w, float(fw))
+    h = torch.where(found, h, float(fh))
+    u = rand((n,))
+    v = rand((n,))
+    top = torch.where(found, torch.floor(u * (height - h + 1)),
+                      torch.floor((height - h) / 2))
+    left = torch.where(found, torch.floor(v * (width - w + 1)),
+                       torch.floor((width - w) / 2))
     return top, left, h, w
 
 
 def resized_crop_flip(x, top, left, h, w, flip, size):
-    """Crop each box, resize it to `size` (no antialias), mirror where `flip`: one grid_sample."""
+    """Crop each box, resize it to `size` (no antialias), mirror it
+    where `flip`: one grid_sample."""
     B, _, H, W = x.shape
     zero = torch.zeros_like(w)
-    theta = torch.stack([torch.where(flip, -w / W, w / W), zero, (2 * left + w) / W - 1,
-                         zero, h / H, (2 * top + h) / H - 1], 1).view(B, 2, 3).to(x)
-    grid = F.affine_grid(theta, (B, 3, size, size), align_corners=False)  # resized_crop's points
-    return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+    theta = torch.stack([torch.where(flip, -w / W, w / W), zero,
+                         (2 * left + w) / W - 1, zero, h / H,
+                         (2 * top + h) / H - 1], 1)
+    theta = theta.view(B, 2, 3).to(x)  # (B, 2, 3)
+    # resized_crop's sampling points
+    grid = F.affine_grid(theta, (B, 3, size, size), align_corners=False)
+    return F.grid_sample(x, grid, mode="bilinear",
+                         padding_mode="border", align_corners=False)
 
 
 def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
-    """torchvision's ColorJitter per image: factors (B,) and order (B, 4) of the ops 0 brightness,
-    1 contrast, 2 saturation, 3 hue (order None: 0-3 for all; hue None: no hue), no host sync."""
+    """torchvision's ColorJitter per image: factors (B,) and order
+    (B, 4) of the ops 0 brightness, 1 contrast, 2 saturation, 3 hue
+    (order None: 0-3 for all; hue None: no hue), no host sync."""
     positions = torch.arange(4, device=x.device)
     order = positions.expand(len(x), 4) if order is None else order
-    hue_at = (order == 3).int().argmax(1, keepdim=True)  # (B, 1) hue's position in the order
-    before = torch.where(positions < hue_at, order, -1)[:, :3]  # (B, 3) ops before hue, -1: none
-    after = torch.where(positions > hue_at, order, -1)[:, 1:]  # (B, 3) after it (none at 0)
+    hue_at = (order == 3).int().argmax(1, keepdim=True)  # (B, 1)
+    # (B, 3): the ops before and after hue, -1: none
+    before = torch.where(positions < hue_at, order, -1)[:, :3]
+    after = torch.where(positions > hue_at, order, -1)[:, 1:]
     factors = torch.stack([brightness, contrast, saturation], 1)  # (B, 3)
     for op in before.unbind(1):
         x = blend_op(x, op, factors)
@@ -316,118 +398,160 @@ def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
 
 
 def blend_op(x, op, factors):
-    """torchvision's _blend of image i's op[i] with 0 brightness: black, 1 contrast: mean grey,
-    2 saturation: grey; -1 none."""
-    grey, op = grayscale(x), op.view(-1, 1, 1, 1)  # (B, 1, H, W), (B, 1, 1, 1)
-    other = torch.where(op == 0, 0.0, torch.where(op == 1, grey.mean((1, 2, 3), True), grey))
-    factor = torch.where(op >= 0, factors.gather(1, op.view(-1, 1).clamp(min=0)).view_as(op), 1.0)
+    """torchvision's _blend of image i's op[i] with 0 brightness:
+    black, 1 contrast: mean grey, 2 saturation: grey; -1: none."""
+    grey = grayscale(x)  # (B, 1, H, W)
+    op = op.view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+    mean_grey = grey.mean((1, 2, 3), True)
+    other = torch.where(op == 0, 0.0, torch.where(op == 1, mean_grey, grey))
+    index = op.view(-1, 1).clamp(min=0)  # (B, 1)
+    factor = factors.gather(1, index).view_as(op)
+    factor = torch.where(op >= 0, factor, 1.0)
     return (factor * x + (1 - factor) * other).clamp(0, 1)
 
 
 def adjust_hue(x, shift):
-    """Hue turned `shift` (B,) turns via HSV, as torchvision: h6 in [0, 6) from the max's channel;
-    to RGB, channel n = 5, 3, 1 is v - chroma * clamp(min(k, 4 - k), 0, 1), k = (n + h6) mod 6."""
+    """Hue turned `shift` (B,) turns via HSV, as torchvision: h6 in
+    [0, 6) from the max's channel; to RGB, channel n = 5, 3, 1 is
+    v - chroma * clamp(min(k, 4 - k), 0, 1), k = (n + h6) mod 6."""
     r, g, b = x.unbind(1)
     minimum, value = torch.aminmax(x, dim=1)  # (B, H, W) each
     chroma = value - minimum
     c = torch.where(chroma > 0, chroma, 1.0)
-    hue = torch.where(value == r, g - b,  # 6 * hue * c; ties: red, then green, then blue
-                      torch.where(value == g, b - r + 2 * c, r - g + 4 * c)) / c
-    hue = (hue + 6 * shift.view(-1, 1, 1)).remainder(6)  # (B, H, W) rotated, in [0, 6)
-    k = hue.unsqueeze(1) + torch.arange(5, 0, -2, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
-    k = torch.where(k >= 6, k - 6, k)  # (B, 3, H, W)
-    return value.unsqueeze(1) - chroma.unsqueeze(1) * torch.minimum(k, 4 - k).clamp(0, 1)
+    # 6 * hue * c; ties: red, then green, then blue
+    hue = torch.where(value == r, g - b,
+                      torch.where(value == g, b - r + 2 * c,
+                                  r - g + 4 * c)) / c
+    hue = (hue + 6 * shift.view(-1, 1, 1)).remainder(6)  # rotated, in [0, 6)
+    n = torch.arange(5, 0, -2, device=x.device, dtype=x.dtype)
+    k = hue.unsqueeze(1) + n.view(1, 3, 1, 1)  # (B, 3, H, W)
+    k = torch.where(k >= 6, k - 6, k)
+    ramp = torch.minimum(k, 4 - k).clamp(0, 1)
+    return value.unsqueeze(1) - chroma.unsqueeze(1) * ramp
 
 
 def gaussian_blur(x, sigma, kernel_size):
-    """Per-sample sigma (B,), separable kernel, reflect padding (torchvision's gaussian_blur)."""
+    """Per-sample sigma (B,), separable kernel, reflect padding
+    (torchvision's gaussian_blur)."""
     B, C, H, W = x.shape
     radius = kernel_size // 2
     offsets = torch.arange(-radius, radius + 1, device=x.device, dtype=x.dtype)
     kernel = torch.exp(-0.5 * (offsets / sigma.view(-1, 1)) ** 2)
-    kernel = (kernel / kernel.sum(1, keepdim=True)).repeat_interleave(C, 0)  # (B*C, K)
+    kernel = kernel / kernel.sum(1, keepdim=True)  # (B, K)
+    kernel = kernel.repeat_interleave(C, 0)  # (B*C, K)
     y = F.pad(x.reshape(1, B * C, H, W), (radius,) * 4, mode="reflect")
-    y = F.conv2d(y, kernel.view(B * C, 1, 1, -1), groups=B * C)  # horizontal pass
-    y = F.conv2d(y, kernel.view(B * C, 1, -1, 1), groups=B * C)  # vertical pass
+    y = F.conv2d(y, kernel.view(B * C, 1, 1, -1), groups=B * C)  # in x
+    y = F.conv2d(y, kernel.view(B * C, 1, -1, 1), groups=B * C)  # in y
     return y.view(B, C, H, W)
 
 
 def normalize(x, mean, std):
-    """[0, 1] images (B, 3, H, W) -> normalised, channels_last on CUDA (the networks' layout)."""
+    """[0, 1] images (B, 3, H, W) -> normalised, channels_last on CUDA
+    (the networks' layout)."""
     x = TF.normalize(x, mean, std)
     return x.contiguous(memory_format=torch.channels_last) if x.is_cuda else x
 
 
-# --------------------------------------------------------------------------- data order and batches
+# ----------------------------------------------------- data order and batches
 def epoch_generators(seed, epoch, device):
-    """(seed, epoch) -> this epoch's generators, so a resumed run draws as an uninterrupted one:
-    order and pairings on the CPU (CUDA's random kernels differ by GPU), views on the device."""
+    """(seed, epoch) -> this epoch's generators, so a resumed run draws
+    as an uninterrupted one: order and pairings on the CPU (CUDA's
+    random kernels differ by GPU), views on the device."""
     seed = 2 * (seed * 100003 + epoch)
-    return torch.Generator().manual_seed(seed), torch.Generator(device).manual_seed(seed + 1)
+    order = torch.Generator().manual_seed(seed)
+    views = torch.Generator(device).manual_seed(seed + 1)
+    return order, views
 
 
 def train_batches(data, batch_size, generator, ctx, workers=0):
-    """One epoch's (images, labels) on the device: uint8 (b, 3, S, S), or (b, crops, 3, S, S) when
-    streamed; rank r's rows [r*b, (r+1)*b) of each batch, in `generator`'s order (CPU, alike)."""
-    b, steps = batch_size // ctx.world, len(data) // batch_size
+    """One epoch's (images, labels) on the device: uint8 (b, 3, S, S),
+    or (b, crops, 3, S, S) when streamed; rank r's rows
+    [r*b, (r+1)*b) of each batch, in `generator`'s order (CPU,
+    alike)."""
+    b = batch_size // ctx.world
+    steps = len(data) // batch_size
     perm = torch.randperm(len(data), generator=generator)[:steps * batch_size]
-    mine = perm.view(steps, ctx.world, b)[:, ctx.rank].flatten()  # (steps * b,)
+    # this rank's rows of every batch
+    mine = perm.view(steps, ctx.world, b)[:, ctx.rank].flatten()
     if not data.streaming:
-        for rows in mine.to(ctx.device).view(steps, b):  # no batch at all when steps is 0
+        # no batch at all when steps is 0
+        for rows in mine.to(ctx.device).view(steps, b):
             yield data.train[rows], data.train_labels[rows]
         return
-    data.train.seed = int(torch.randint(2 ** 62, (1,), generator=generator))  # this epoch's crops
-    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(data.train, mine.tolist()), b,
-                                         num_workers=workers, pin_memory=ctx.device.type == "cuda")
-    for views, labels in loader:
-        yield views.to(ctx.device, non_blocking=True), labels.to(ctx.device, non_blocking=True)
+    # this epoch's crops
+    data.train.seed = int(torch.randint(2 ** 62, (1,), generator=generator))
+    subset = torch.utils.data.Subset(data.train, mine.tolist())
+    loader = torch.utils.data.DataLoader(
+        subset, b, num_workers=workers,
+        pin_memory=ctx.device.type == "cuda")
+    for views, labels in loader:  # pinned: copies without a wait
+        yield (views.to(ctx.device, non_blocking=True),
+               labels.to(ctx.device, non_blocking=True))
 
 
-# --------------------------------------------------------------------------------------- evaluation
+# ----------------------------------------------------------------- evaluation
 def eval_view(images, size):
-    """uint8 (..., 3, H, W) -> (..., 3, S, S): torchvision's Resize(S / 0.875 above 64 px: 256 for
-    224), CenterCrop(S)."""
+    """uint8 (..., 3, H, W) -> (..., 3, S, S): torchvision's
+    Resize(S / 0.875 above 64 px: 256 for 224), CenterCrop(S)."""
     side = round(size / 0.875) if size > 64 else size
     return TF.center_crop(TF.resize(images, [side], antialias=True), [size])
 
 
 @torch.no_grad()
 def extract_features(backbone, split, data, ctx, workers=0, unit=True):
-    """Features (L2-normalised if `unit`) of un-augmented images, ranks sharing the work, gathered
-    on every rank -> float32 (N', F), (N',), N' = world * ceil(N / world), padding labelled -1."""
-    was_training, device, held = backbone.training, ctx.device, isinstance(split, tuple)
+    """Features (L2-normalised if `unit`) of un-augmented images, ranks
+    sharing the work, gathered on every rank -> float32 (N', F),
+    (N',), N' = world * ceil(N / world), padding labelled -1."""
+    was_training = backbone.training
+    device = ctx.device
+    held = isinstance(split, tuple)  # (images, labels)
     n = len(split[1]) if held else len(split)
     share = -(-n // ctx.world)
-    lo, hi = min(ctx.rank * share, n), min((ctx.rank + 1) * share, n)
-    batches = zip(*(t[lo:hi].split(256) for t in split)) if held else torch.utils.data.DataLoader(
-        torch.utils.data.Subset(split, range(lo, hi)), 256, num_workers=workers,
-        pin_memory=device.type == "cuda", generator=torch.Generator())  # (not the global RNG)
+    lo = min(ctx.rank * share, n)
+    hi = min((ctx.rank + 1) * share, n)
+    if held:
+        batches = zip(*(t[lo:hi].split(256) for t in split))
+    else:  # its own generator: not the global RNG
+        batches = torch.utils.data.DataLoader(
+            torch.utils.data.Subset(split, range(lo, hi)), 256,
+            num_workers=workers, pin_memory=device.type == "cuda",
+            generator=torch.Generator())
     features = torch.zeros(share, backbone.out_dim, device=device)
     labels = torch.full((share,), -1, dtype=torch.long, device=device)
-    mean, std = (torch.tensor(t, device=device) for t in (data.mean, data.std))  # copied once
+    mean = torch.tensor(data.mean, device=device)  # copied to the device once
+    std = torch.tensor(data.std, device=device)
     backbone.eval()
-    batches = tqdm(batches, "features", -(-(hi - lo) // 256), leave=False, disable=ctx.rank != 0)
-    for i, (images, y) in enumerate(batches):  # batches of 256; pinned: copies without a wait
-        images, y = images.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if data.whole and held:  # image files held whole: the view streamed
-            images = eval_view(images, data.image_size)  # ones get from their workers
+    batches = tqdm(batches, "features", -(-(hi - lo) // 256),
+                   leave=False, disable=ctx.rank != 0)
+    for i, (images, y) in enumerate(batches):  # pinned: copies without a wait
+        images = images.to(device, non_blocking=True)
+        y = y.to(device, non_blocking=True)
+        if data.whole and held:
+            # held whole: the view streamed files get from workers
+            images = eval_view(images, data.image_size)
         with ctx.autocast():
             f = backbone(normalize(images.float() / 255, mean, std)).float()
-        features[256 * i:256 * i + len(y)] = F.normalize(f, dim=1) if unit else f
-        labels[256 * i:256 * i + len(y)] = y
+        rows = slice(256 * i, 256 * i + len(y))
+        features[rows] = F.normalize(f, dim=1) if unit else f
+        labels[rows] = y
     backbone.train(was_training)
     return gather(features), gather(labels)
 
 
 @torch.no_grad()
 def knn_accuracy(train_f, train_y, test_f, test_y, num_classes, k=200, t=0.1):
-    """Weighted kNN (InstDisc, MoCo): the k nearest (cosine) vote exp(sim / t) -> top-1 %."""
-    k, unlabelled = min(k, int((train_y >= 0).sum())), train_y < 0
-    share = -(-len(test_y) // world_size())  # each rank's rows of the test set
-    correct, lo, hi = torch.zeros((), device=test_f.device), rank() * share, (rank() + 1) * share
-    for i in range(lo, min(hi, len(test_y)), 256):
-        stop = min(i + 256, hi, len(test_y))
-        sim = (test_f[i:stop] @ train_f.T).float().masked_fill_(unlabelled, -math.inf)  # (b, N)
+    """Weighted kNN (InstDisc, MoCo): the k nearest (cosine) vote
+    exp(sim / t) -> top-1 %."""
+    k = min(k, int((train_y >= 0).sum()))
+    unlabelled = train_y < 0
+    share = -(-len(test_y) // world_size())  # test rows per rank
+    lo = rank() * share
+    hi = min((rank() + 1) * share, len(test_y))
+    correct = torch.zeros((), device=test_f.device)
+    for i in range(lo, hi, 256):
+        stop = min(i + 256, hi)
+        sim = (test_f[i:stop] @ train_f.T).float()  # (b, N)
+        sim = sim.masked_fill_(unlabelled, -math.inf)
         sim, idx = sim.topk(k, dim=1)  # (b, k)
         votes = torch.zeros(stop - i, num_classes, device=test_f.device)
         votes.scatter_add_(1, train_y[idx], torch.exp(sim / t))
@@ -436,38 +560,52 @@ def knn_accuracy(train_f, train_y, test_f, test_y, num_classes, k=200, t=0.1):
 
 
 def linear_classifier(dim, classes, device, seed, std=None):
-    """nn.Linear(dim, classes): weight N(0, std), bias 0 (0.01: MoCo's, SimSiam's main_lincls.py) or
-    torch's init (std None), from `seed` in a forked RNG: a global draw would shift later ones."""
+    """nn.Linear(dim, classes): weight N(0, std), bias 0 (0.01:
+    MoCo's, SimSiam's main_lincls.py) or torch's init (std None), from
+    `seed` in a forked RNG: a global draw would shift later ones."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         layer = nn.Linear(dim, classes)
         if std is not None:
-            nn.init.normal_(layer.weight, 0.0, std), nn.init.zeros_(layer.bias)
+            nn.init.normal_(layer.weight, 0.0, std)
+            nn.init.zeros_(layer.bias)
     return layer.to(device)
 
 
-LINEAR_PROTOCOLS = {  # --linear-protocol: the final probe's settings, lr per 256 images
-    "fixed": dict(optimizer="adamw", lr=1e-3, epochs=100, batch=256),  # this project's own probe
-    # GSG Sec. 5.1 "Linear evaluation" (CIFAR-10), momentum 0.9; assumed: crop+flip views, wd 0
-    "gsg-cifar": dict(optimizer="sgd", lr=30.0, epochs=90, batch=256, schedule="cosine"),
-    # facebookresearch/moco main_lincls.py: --lr 30, -b 256, --epochs 100, --schedule 60 80, wd 0
-    "moco": dict(optimizer="sgd", lr=30.0, epochs=100, batch=256, schedule="steps"),
-    # facebookresearch/simsiam main_lincls.py --lars (as bych-lee/gsg): apex LARC, no clip, bias too
-    "simsiam-imagenet": dict(optimizer="lars", lr=0.1, epochs=90, batch=4096, schedule="cosine"),
+# --linear-protocol: the final probe's settings, lr per 256 images
+LINEAR_PROTOCOLS = {
+    # this project's own probe
+    "fixed": dict(optimizer="adamw", lr=1e-3, epochs=100, batch=256),
+    # GSG Sec. 5.1 "Linear evaluation" (CIFAR-10), momentum 0.9;
+    # assumed: crop+flip views, wd 0
+    "gsg-cifar": dict(
+        optimizer="sgd", lr=30.0, epochs=90, batch=256, schedule="cosine"),
+    # facebookresearch/moco main_lincls.py: --lr 30, -b 256,
+    # --epochs 100, --schedule 60 80, wd 0
+    "moco": dict(
+        optimizer="sgd", lr=30.0, epochs=100, batch=256, schedule="steps"),
+    # facebookresearch/simsiam main_lincls.py --lars (as
+    # bych-lee/gsg): apex LARC, no clip, bias too
+    "simsiam-imagenet": dict(
+        optimizer="lars", lr=0.1, epochs=90, batch=4096, schedule="cosine"),
 }
 
 
-def train_linear(classifier, optimizer, batches, epochs, lr=None, scheduler=None, world=1):
-    """The probes' loop: per epoch, lr(epoch) and cross-entropy steps on batches(epoch)."""
-    for epoch in tqdm(range(epochs), "linear probe", leave=False, disable=rank() != 0):
-        for group in optimizer.param_groups if lr else ():
-            group["lr"] = lr(epoch)
+def train_linear(classifier, optimizer, batches, epochs, lr=None,
+                 scheduler=None, world=1):
+    """The probes' loop: each epoch lr(epoch), cross-entropy steps."""
+    for epoch in tqdm(range(epochs), "linear probe", leave=False,
+                      disable=rank() != 0):
+        if lr:
+            for group in optimizer.param_groups:
+                group["lr"] = lr(epoch)
         for features, y in batches(epoch):
             loss = F.cross_entropy(classifier(features), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            for p in classifier.parameters() if world > 1 else ():
-                p.grad = all_reduce_sum(p.grad) / world
+            if world > 1:  # the mean of the ranks' gradients
+                for p in classifier.parameters():
+                    p.grad = all_reduce_sum(p.grad) / world
             optimizer.step()
             if scheduler:
                 scheduler.step()
@@ -475,100 +613,145 @@ def train_linear(classifier, optimizer, batches, epochs, lr=None, scheduler=None
 
 @torch.no_grad()
 def top1(classify, features, labels):
-    """Top-1 % of classify(features) over the labelled rows (-1: padding), 65536 rows at a time."""
-    correct = sum(int((classify(f).argmax(1) == y).sum())
-                  for f, y in zip(features.split(65536), labels.split(65536)))
+    """Top-1 % of classify(features) over the labelled rows (-1:
+    padding), 65536 rows at a time."""
+    correct = 0
+    for f, y in zip(features.split(65536), labels.split(65536)):
+        correct += int((classify(f).argmax(1) == y).sum())
     return 100.0 * correct / int((labels >= 0).sum())
 
 
-def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs, lr, batch, seed=0):
-    """`fixed` protocol: a linear classifier from zero (convex), AdamW + cosine -> test top-1 %."""
-    rows = (train_y >= 0).nonzero()[:, 0]
+def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs,
+                 lr, batch, seed=0):
+    """`fixed` protocol: a linear classifier from zero (convex), AdamW
+    + cosine -> test top-1 %."""
+    rows = (train_y >= 0).nonzero()[:, 0]  # the labelled ones
     std, mean = torch.std_mean(train_f[rows], 0, correction=0)
-    standardised = lambda f: (f - mean) / (std + 1e-6)  # noqa: E731
-    classifier = linear_classifier(train_f.shape[1], num_classes, train_f.device, seed, std=0.0)
-    optimizer = torch.optim.AdamW(classifier.parameters(), lr=lr * batch / 256, weight_decay=5e-4)
-    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * -(-len(rows) // batch))
-    generator = torch.Generator(device=train_f.device).manual_seed(seed)
+
+    def standardised(f):
+        return (f - mean) / (std + 1e-6)
+
+    device = train_f.device
+    classifier = linear_classifier(
+        train_f.shape[1], num_classes, device, seed, std=0.0)
+    optimizer = torch.optim.AdamW(
+        classifier.parameters(), lr=lr * batch / 256, weight_decay=5e-4)
+    steps = epochs * -(-len(rows) // batch)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    generator = torch.Generator(device=device).manual_seed(seed)
 
     def batches(epoch):
-        perm = rows[torch.randperm(len(rows), generator=generator, device=rows.device)]
-        return ((standardised(train_f[r]), train_y[r]) for r in perm.split(batch))
-    train_linear(classifier, optimizer, batches, epochs, scheduler=cosine)  # alike on every rank
+        perm = torch.randperm(
+            len(rows), generator=generator, device=rows.device)
+        for r in rows[perm].split(batch):
+            yield standardised(train_f[r]), train_y[r]
+
+    # alike on every rank
+    train_linear(classifier, optimizer, batches, epochs, scheduler=cosine)
     return top1(lambda f: classifier(standardised(f)), test_f, test_y)
 
 
-def linear_probe_augmented(backbone, data, ctx, protocol, epochs, lr, batch, seed=0, workers=0):
-    """An authors' probe (LINEAR_PROTOCOLS) on the frozen backbone, crop + flip views -> top-1 %."""
+def linear_probe_augmented(backbone, data, ctx, protocol, epochs, lr,
+                           batch, seed=0, workers=0):
+    """An authors' probe (LINEAR_PROTOCOLS) on the frozen backbone,
+    crop + flip views -> top-1 %."""
     own = LINEAR_PROTOCOLS[protocol]
-    images, labels = data.eval_train if not data.streaming else (  # streamed: workers crop + flip
-        ImageFiles(data.eval_train.samples, data.image_size, crops=1), data.train_labels)
-    probe_set = replace(data, train=images, train_labels=labels)  # drawn as pre-training's batches
-    batch = max(1, min(batch, len(labels)) // ctx.world) * ctx.world  # a multiple of the processes
+    if data.streaming:  # the workers crop and flip
+        images = ImageFiles(data.eval_train.samples, data.image_size, crops=1)
+        labels = data.train_labels
+    else:
+        images, labels = data.eval_train
+    # drawn as pre-training's batches
+    probe_set = replace(data, train=images, train_labels=labels)
+    batch = max(1, min(batch, len(labels)) // ctx.world) * ctx.world
     peak = lr * batch / 256
-    classifier = linear_classifier(backbone.out_dim, data.num_classes, ctx.device, seed, std=0.01)
-    optimizer = LARS(classifier.parameters(), peak, momentum=0.9, eta=0.001) \
-        if own["optimizer"] == "lars" else torch.optim.SGD(classifier.parameters(), peak, 0.9)
-    augment = Augment([Recipe(jitter=(0, 0, 0, 0), gray_p=0)], data.image_size, data.mean,
-                      data.std, ctx)  # held images: crop + flip here; streamed: normalise only
+    classifier = linear_classifier(
+        backbone.out_dim, data.num_classes, ctx.device, seed, std=0.01)
+    params = classifier.parameters()
+    if own["optimizer"] == "lars":
+        optimizer = LARS(params, peak, momentum=0.9, eta=0.001)
+    else:
+        optimizer = torch.optim.SGD(params, peak, 0.9)
+    recipe = Recipe(jitter=(0, 0, 0, 0), gray_p=0)
+    augment = Augment([recipe], data.image_size, data.mean, data.std, ctx)
 
-    def lr_at(epoch):  # per epoch, as main_lincls.py's adjust_learning_rate; MoCo's steps: x0.1
-        if own["schedule"] == "cosine":  # at epochs 60 and 80 of 100, here at 60% and 80% of them
+    def lr_at(epoch):  # as main_lincls.py's adjust_learning_rate
+        if own["schedule"] == "cosine":
             return peak * 0.5 * (1 + math.cos(math.pi * epoch / epochs))
-        return peak * 0.1 ** sum(epoch >= share * epochs for share in (0.6, 0.8))
+        # MoCo's steps: x0.1 at epochs 60, 80 of 100; here 60%, 80%
+        passed = sum(epoch >= f * epochs for f in (0.6, 0.8))
+        return peak * 0.1 ** passed
 
     def batches(epoch):
-        order, generator = epoch_generators(seed + 1, epoch, ctx.device)
+        order, views = epoch_generators(seed + 1, epoch, ctx.device)
         for x, y in train_batches(probe_set, batch, order, ctx, workers):
-            views = augment(x, generator)[0]  # in float32, as in pre-training
+            x = augment(x, views)[0]  # float32, as in pre-training
             with torch.no_grad(), ctx.autocast():
-                features = backbone(views)
+                features = backbone(x)
             yield features.float(), y
+
     was_training = backbone.training
-    backbone.eval()  # frozen: BatchNorm normalises with, and keeps, its running statistics
-    train_linear(classifier, optimizer, batches, epochs, lr=lr_at, world=ctx.world)
-    test_f, test_y = extract_features(backbone.train(was_training), data.eval_test, data, ctx,
-                                      workers, unit=False)
-    return top1(lambda f: classifier(f.float()), test_f, test_y)  # float32, as in training
+    backbone.eval()  # frozen: BatchNorm uses, and keeps, its statistics
+    train_linear(classifier, optimizer, batches, epochs, lr=lr_at,
+                 world=ctx.world)
+    backbone.train(was_training)
+    test_f, test_y = extract_features(
+        backbone, data.eval_test, data, ctx, workers, unit=False)
+    return top1(lambda f: classifier(f.float()), test_f, test_y)
 
 
 class OnlineProbe:
-    """The DT authors' online classifier (ChaoningZhang/Dual-temperature solo/methods/base.py lines
-    246, 335-343, 424-447) on training views' detached features, which `keep` collects as a forward
-    hook on `backbone` that main() registers (their lines 475, 482 read the same features),
-    SGD momentum 0.9 (solo/args/utils.py line 204), no weight decay, lr 0.3 not scaled by the batch
-    (bash_files/*.sh --classifier_lr; utils.py line 212 scales only --lr); its result is `name`."""
+    """The DT authors' online classifier
+    (ChaoningZhang/Dual-temperature solo/methods/base.py lines 246,
+    335-343, 424-447) on training views' detached features, kept by
+    `keep`, the forward hook on `backbone` main() registers (their
+    lines 475, 482 read the same features); SGD momentum 0.9
+    (solo/args/utils.py line 204), no weight decay, lr 0.3 not scaled
+    by the batch (bash_files/*.sh --classifier_lr; utils.py line 212
+    scales only --lr); its result is `name`."""
 
-    def __init__(self, backbone, num_classes, ctx, seed, name="online_top1", lr=0.3):
-        self.backbone, self.name, self.lr, self.features = backbone, name, lr, []
-        self.classifier = linear_classifier(backbone.out_dim, num_classes, ctx.device, seed)
-        self.optimizer = torch.optim.SGD(self.classifier.parameters(), lr=lr, momentum=0.9)
+    def __init__(self, backbone, num_classes, ctx, seed,
+                 name="online_top1", lr=0.3):
+        self.backbone, self.name, self.lr = backbone, name, lr
+        self.features = []
+        self.classifier = linear_classifier(
+            backbone.out_dim, num_classes, ctx.device, seed)
+        self.optimizer = torch.optim.SGD(
+            self.classifier.parameters(), lr=lr, momentum=0.9)
 
     def keep(self, backbone, inputs, output):
         if backbone.training:  # not evaluation's
             self.features.append(output.detach())
 
     def step(self, labels, lr_scale):
-        """SGD step on the kept views, labels (b,) per view; lr_scale: pre-training lr / peak."""
-        features, self.features = float32(torch.cat(self.features)), []  # (V * b, F)
+        """SGD step on the kept views, labels (b,) per view; lr_scale:
+        pre-training lr / peak."""
+        features = float32(torch.cat(self.features))  # (V * b, F)
+        self.features = []
         y = labels.repeat(len(features) // len(labels))  # (V * b,)
-        labelled = all_reduce_sum((y >= 0).sum()).clamp_min(1)  # over every rank's views
-        loss = F.cross_entropy(self.classifier(features), y, ignore_index=-1, reduction="sum")
+        # over every rank's views
+        labelled = all_reduce_sum((y >= 0).sum()).clamp_min(1)
+        loss = F.cross_entropy(
+            self.classifier(features), y, ignore_index=-1, reduction="sum")
         self.optimizer.zero_grad(set_to_none=True)
         (loss / labelled).backward()
-        for p in self.classifier.parameters():  # each rank's share of the global mean
+        # each rank's share of the global mean
+        for p in self.classifier.parameters():
             p.grad = all_reduce_sum(p.grad)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr * lr_scale
         self.optimizer.step()
 
     def accuracy(self, data, ctx, workers=0):
-        """Top-1 % on the un-augmented test split, the backbone in eval mode (the DT fork's)."""
-        f, y = extract_features(self.backbone, data.eval_test, data, ctx, workers, unit=False)
+        """Top-1 % on the un-augmented test split, the backbone in eval
+        mode (the DT fork's)."""
+        f, y = extract_features(
+            self.backbone, data.eval_test, data, ctx, workers, unit=False)
         return top1(lambda x: self.classifier(float32(x)), f, y)
 
     def state_dict(self):  # for checkpoint.pt
-        return dict(classifier=self.classifier.state_dict(), optimizer=self.optimizer.state_dict())
+        return dict(classifier=self.classifier.state_dict(),
+                    optimizer=self.optimizer.state_dict())
 
     def load_state_dict(self, state):
         self.classifier.load_state_dict(state["classifier"])
@@ -576,44 +759,76 @@ class OnlineProbe:
 
 
 def online_probes(args, data, ctx, backbone, momentum_encoder=None):
-    """--online-probe's OnlineProbes by checkpoint name ({} without it): on `backbone`, and on a
-    momentum encoder's as the DT scripts' --momentum_classifier (base.py lines 631-635, 768-782)."""
+    """--online-probe's OnlineProbes by checkpoint name ({} without
+    it): on `backbone`, and on a momentum encoder's as the DT scripts'
+    --momentum_classifier (base.py lines 631-635, 768-782)."""
     if not args.online_probe:
         return {}
-    probes = {"online_probe": OnlineProbe(backbone, data.num_classes, ctx, args.seed)}
+    classes = data.num_classes
+    probes = {"online_probe": OnlineProbe(backbone, classes, ctx, args.seed)}
     if momentum_encoder is not None:
-        probes["momentum_probe"] = OnlineProbe(momentum_encoder.backbone, data.num_classes, ctx,
-                                               args.seed, "momentum_online_top1")
+        probes["momentum_probe"] = OnlineProbe(
+            momentum_encoder.backbone, classes, ctx, args.seed,
+            "momentum_online_top1")
     return probes
 
 
+def method_name(args):
+    """The script and each option its own file adds, in its order:
+    `--loss dcl`, a flag only when set."""
+    parser = argparse.ArgumentParser()  # a throwaway one
+    add_common_args(parser)
+    shared = vars(parser.parse_args([]))
+    words = [f"{RUN['script']}.py"]
+    for key, value in vars(args).items():
+        if key in shared or value is None or value is False:
+            continue
+        words.append("--" + key.replace("_", "-"))
+        if value is not True:
+            words.append(str(value))
+    return " ".join(words)
+
+
 def evaluate(backbone, data, ctx, args, final=False, probes=None):
-    """kNN top-1 (--knn-k) and each probe's; `final` adds k=1 and the linear probe (--linear-*)."""
-    train_f, train_y = extract_features(backbone, data.eval_train, data, ctx, args.workers)
-    test_f, test_y = extract_features(backbone, data.eval_test, data, ctx, args.workers)
-    knn = lambda k: knn_accuracy(train_f, train_y, test_f, test_y, data.num_classes, k,  # noqa
-                                 args.knn_t)
+    """kNN top-1 (--knn-k) and each probe's; `final` adds k=1 and the
+    linear probe (--linear-*)."""
+    train_f, train_y = extract_features(
+        backbone, data.eval_train, data, ctx, args.workers)
+    test_f, test_y = extract_features(
+        backbone, data.eval_test, data, ctx, args.workers)
+
+    def knn(k):
+        return knn_accuracy(
+            train_f, train_y, test_f, test_y, data.num_classes, k, args.knn_t)
+
     result = {"knn_top1": knn(args.knn_k)}
     for probe in (probes or {}).values():
         result[probe.name] = probe.accuracy(data, ctx, args.workers)
-    if final:  # the method: the script and the options that choose it
-        flags = [f"--{k} {getattr(args, k)}" for k in ("loss", "method", "stopgrad")
-                 if hasattr(args, k)]
-        result = {"method": " ".join([f"{RUN['script']}.py", *flags]), **result,
-                  "knn_k": args.knn_k, "knn_k1_top1": knn(1), "epochs": args.epochs}
-        protocol, given = args.linear_protocol, dict(epochs=args.linear_epochs, lr=args.linear_lr,
-                                                     batch=args.linear_batch)
-        settings = {k: LINEAR_PROTOCOLS[protocol][k] if v is None else v for k, v in given.items()}
-        if settings["epochs"]:
-            linear = (linear_probe(train_f, train_y, test_f, test_y, data.num_classes,
-                                   seed=args.seed, **settings) if protocol == "fixed" else
-                      linear_probe_augmented(backbone, data, ctx, protocol, seed=args.seed,
-                                             workers=args.workers, **settings))
-            result.update(linear_top1=linear, linear_protocol=protocol)
+    if not final:
+        return result
+    result = {"method": method_name(args), **result,
+              "knn_k": args.knn_k, "knn_k1_top1": knn(1),
+              "epochs": args.epochs}
+    protocol = args.linear_protocol
+    own = LINEAR_PROTOCOLS[protocol]
+    given = dict(epochs=args.linear_epochs, lr=args.linear_lr,
+                 batch=args.linear_batch)
+    settings = {k: own[k] if v is None else v for k, v in given.items()}
+    if not settings["epochs"]:
+        return result
+    if protocol == "fixed":
+        linear = linear_probe(
+            train_f, train_y, test_f, test_y, data.num_classes,
+            seed=args.seed, **settings)
+    else:
+        linear = linear_probe_augmented(
+            backbone, data, ctx, protocol, seed=args.seed,
+            workers=args.workers, **settings)
+    result.update(linear_top1=linear, linear_protocol=protocol)
     return result
 
 
-# --------------------------------------------------------------------------------------- optimisers
+# ----------------------------------------------------------------- optimisers
 def learning_rate(step, total_steps, warmup_steps, peak, schedule="cosine"):
     """Linear warm-up to `peak`, then cosine decay to 0 (or constant)."""
     if step < warmup_steps:
@@ -625,18 +840,23 @@ def learning_rate(step, total_steps, warmup_steps, peak, schedule="cosine"):
 
 
 class LARS(torch.optim.Optimizer):
-    """SGD with momentum and LARS's trust ratio (You et al. 2017) per tensor; adapt=False: r = 1.
-        g' = g + wd * w,   r = eta * ||w|| / ||g'||   (r = 1 where ||w|| or ||g'|| is 0)
-        with `clip`: r = min(r / lr, 1),   buf <- momentum * buf + r * g',   w <- w - lr * buf
-    r as google-research/simclr lars_optimizer.py lines 98-110 (eta 0.001: its line 26; solo-learn's
-    lars.py line 142 divides by ||g|| + wd ||w||); clip and momentum as its lines 145-165."""
+    """SGD with momentum and LARS's trust ratio (You et al. 2017) per
+    tensor; adapt=False: r = 1.
+        g' = g + wd * w,   r = eta * ||w|| / ||g'||   (r = 1 if a norm is 0)
+        with `clip`: r = min(r / lr, 1)
+        buf <- momentum * buf + r * g',   w <- w - lr * buf
+    r as google-research/simclr lars_optimizer.py lines 98-110 (eta
+    0.001: its line 26; solo-learn's lars.py line 142 divides by
+    ||g|| + wd ||w||); clip and momentum as its lines 145-165."""
 
-    def __init__(self, params, lr, momentum=0.9, weight_decay=0.0, eta=0.001, clip=False):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                      eta=eta, clip=clip, adapt=True))
+    def __init__(self, params, lr, momentum=0.9, weight_decay=0.0,
+                 eta=0.001, clip=False):
+        super().__init__(params, dict(
+            lr=lr, momentum=momentum, weight_decay=weight_decay,
+            eta=eta, clip=clip, adapt=True))
 
     @torch.no_grad()
-    def step(self):  # each group's tensors at once (torch._foreach_*), nothing read on the host
+    def step(self):  # tensors at once (torch._foreach_*), no host sync
         for group in self.param_groups:
             params = [w for w in group["params"] if w.grad is not None]
             for w in params:  # made once, at the first step
@@ -644,12 +864,17 @@ class LARS(torch.optim.Optimizer):
                     self.state[w]["momentum_buffer"] = torch.zeros_like(w)
             if not params:
                 continue
-            g = torch._foreach_add([w.grad for w in params], params, alpha=group["weight_decay"])
+            grads = [w.grad for w in params]
+            g = torch._foreach_add(grads, params, alpha=group["weight_decay"])
             if group["adapt"]:
-                w_norm, g_norm = (torch.stack(torch._foreach_norm(t)) for t in (params, g))
+                w_norm = torch.stack(torch._foreach_norm(params))
+                g_norm = torch.stack(torch._foreach_norm(g))
                 trust = group["eta"] * w_norm / g_norm
-                trust = (trust / group["lr"]).clamp(max=1) if group["clip"] else trust
-                torch._foreach_mul_(g, torch.where((w_norm > 0) & (g_norm > 0), trust, 1).unbind())
+                if group["clip"]:
+                    trust = (trust / group["lr"]).clamp(max=1)
+                both = (w_norm > 0) & (g_norm > 0)
+                trust = torch.where(both, trust, 1)
+                torch._foreach_mul_(g, trust.unbind())
             buffers = [self.state[w]["momentum_buffer"] for w in params]
             torch._foreach_mul_(buffers, group["momentum"])
             torch._foreach_add_(buffers, g)
@@ -657,21 +882,29 @@ class LARS(torch.optim.Optimizer):
 
 
 def optimizer_groups(groups):
-    """Parameters (or group dicts) -> LARS's param groups: 1-D ones (batch norm, bias) apart, no wd
-    or trust ratio (SimCLR's tf2/model.py lines 40-42, solo-learn's lars.py line 140)."""
-    groups, split = list(groups), []
-    for group in groups if isinstance(groups[0], dict) else [{"params": groups}]:
+    """Parameters (or group dicts) -> LARS's param groups: 1-D ones
+    (batch norm, bias) apart, no wd or trust ratio (SimCLR's
+    tf2/model.py lines 40-42, solo-learn's lars.py line 140)."""
+    groups = list(groups)
+    if not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    split = []
+    for group in groups:
         params = list(group["params"])
-        split.append({**group, "params": [p for p in params if p.ndim > 1]})
-        split.append({**group, "params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0,
+        matrices = [p for p in params if p.ndim > 1]
+        vectors = [p for p in params if p.ndim <= 1]
+        split.append({**group, "params": matrices})
+        split.append({**group, "params": vectors, "weight_decay": 0.0,
                       "adapt": False})
     return [group for group in split if group["params"]]
 
 
 def pretraining_optimizer(groups, args, ctx, lr):
-    """--optimizer: SGD, momentum 0.9, wd on every parameter (the authors' SGD runs), or LARS."""
+    """--optimizer: SGD, momentum 0.9, wd on every parameter (the
+    authors' SGD runs), or LARS."""
     if args.optimizer == "lars":
-        return LARS(optimizer_groups(groups), lr, 0.9, args.wd, args.lars_eta, args.lars_clip)
+        return LARS(optimizer_groups(groups), lr, 0.9, args.wd,
+                    args.lars_eta, args.lars_clip)
     return torch.optim.SGD(groups, lr=lr, momentum=0.9, weight_decay=args.wd)
 
 

@@ -195,19 +195,19 @@ def test_every_sample_gets_its_own_parameters():
     assert distance.min() > 1e-3
 
 
-def test_ranks_augment_their_rows_exactly_as_one_process():
-    """Parameters are drawn for the global batch and sliced, so rank 0 + rank 1 == one process."""
+def test_ranks_augment_their_rows_exactly_as_one_process(monkeypatch):
+    """Parameters are drawn for the global batch and sliced, so rank 0 + rank 1 == one process.
+    Augment reads the rank and world size from torch.distributed (common.rank(),
+    common.world_size()), as the losses do, not from its Context: a simulated rank here."""
     x = (images(8, 20, 20) * 255).to(torch.uint8)
     recipes = [Recipe(blur_p=0.5), Recipe(solarize_p=0.5)]
-    single = Augment(recipes, 16, (0.5,) * 3, (0.25,) * 3, ctx_for(0, 1))(
-        x, torch.Generator().manual_seed(1)
-    )
-    parts = [
-        Augment(recipes, 16, (0.5,) * 3, (0.25,) * 3, ctx_for(r, 2))(
-            x[4 * r : 4 * r + 4], torch.Generator().manual_seed(1)
-        )
-        for r in range(2)
-    ]
+    augment = Augment(recipes, 16, (0.5,) * 3, (0.25,) * 3, ctx_for(0, 1))
+    single = augment(x, torch.Generator().manual_seed(1))
+    parts = []
+    monkeypatch.setattr(common, "world_size", lambda: 2)
+    for r in range(2):
+        monkeypatch.setattr(common, "rank", lambda: r)
+        parts.append(augment(x[4 * r : 4 * r + 4], torch.Generator().manual_seed(1)))
     for v in range(2):
         assert torch.equal(torch.cat([parts[0][v], parts[1][v]]), single[v])
 
@@ -313,6 +313,42 @@ def test_global_batchnorm_on_two_cpu_processes_equals_batchnorm_on_one(tmp_path)
     assert torch.allclose(ranks[0]["grad_w"] + ranks[1]["grad_w"], single["grad_w"], atol=1e-9)
     for key in ("running_var", "running_mean"):
         assert torch.allclose(ranks[0][key], single[key], atol=1e-12)
+
+
+def _worker_optimisers_before_and_after_distribute():
+    """A convolution + BatchNorm stepped once under DDP, its optimiser built before
+    common.distribute and, from the same initial state, after it -> both state_dicts."""
+    rows = slice(4 * common.rank(), 4 * common.rank() + 4)
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 6, 6)[rows]
+    weights = torch.randn(8, 4, 4, 4)[rows]  # the global loss, split by rows
+    states = {}
+    for built in ("before", "after"):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+        if built == "before":
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        net = common.distribute(model, ctx_for(common.rank(), 2))
+        if built == "after":
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        (net(x) * weights).sum().backward()
+        optimizer.step()
+        states[built] = {k: v.clone() for k, v in model.state_dict().items()}
+    return states
+
+
+def test_distribute_keeps_the_parameters_an_optimiser_already_holds(tmp_path):
+    """Under 2 processes common.distribute makes every BatchNorm a GlobalBatchNorm; it keeps the
+    module's Parameter objects, so an optimiser built before it updates the BatchNorm weights:
+    one step gives the same parameters and buffers as an optimiser built after it, and the
+    BatchNorm's weight and bias have moved from their initial 1 and 0."""
+    for rank in run_distributed("test_common", "_worker_optimisers_before_and_after_distribute",
+                                tmp_path):
+        assert rank["before"].keys() == rank["after"].keys()
+        for key, value in rank["after"].items():
+            assert torch.equal(rank["before"][key], value), key
+        assert not torch.equal(rank["before"]["1.weight"], torch.ones(4))
+        assert not torch.equal(rank["before"]["1.bias"], torch.zeros(4))
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -678,15 +714,23 @@ def test_a_run_that_ends_within_its_warm_up_is_warned_about(tiny_folder, tmp_pat
 
 
 SCRIPTS = ("simclr_dcl", "moco_simmoco_simco", "simsiam_byol_gsg", "nnclr_dcl")
-METHOD = {"simclr_dcl": "--loss dcl", "moco_simmoco_simco": "--method simco",
-          "simsiam_byol_gsg": "--method simsiam --stopgrad guided", "nnclr_dcl": "--loss dcl"}
+METHOD = {  # each option a method file adds to the shared ones, in its order; flags when set
+    "simclr_dcl": "--loss dcl --temperature 0.1 --sigma 0.5 --proj-hidden 2048 --proj-dim 128",
+    "moco_simmoco_simco": "--method simco --tau-alpha 0.1 --tau-beta 1.0 --queue-size 65536 "
+                          "--key-momentum 0.99 --proj-hidden 128 --proj-dim 128",
+    "simsiam_byol_gsg": "--method simsiam --stopgrad guided --ema 0.99 --ema-schedule constant "
+                        "--schedule constant --proj-layers 2 --proj-hidden 2048 --proj-dim 2048 "
+                        "--pred-hidden 512",
+    "nnclr_dcl": "--loss dcl --temperature 0.2 --sigma 0.5 --support-size 65536 "
+                 "--proj-hidden 2048 --proj-dim 256 --pred-hidden 4096"}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_the_start_up_line_and_results_name_the_run(script, tmp_path, capsys):
     """The first line printed: run folder, data set and where it is (held or streamed), train and
     val images, classes, image size, device, processes, the backbone's parameters; results.json
-    names the method (script and its --loss / --method / --stopgrad) and the epochs trained."""
+    names the method (the script and every option its own file adds, store_true ones when set)
+    and the epochs trained; a set flag is named."""
     module = __import__(script)
     module.main(["--dataset", "textures", "--width", "8", "--epochs", "0", "--device", "cpu",
                  "--linear-epochs", "0", "--out", str(tmp_path / "run")])
@@ -697,6 +741,12 @@ def test_the_start_up_line_and_results_name_the_run(script, tmp_path, capsys):
                      f"backbone resnet18 width 8: {params:,} parameters")
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["method"] == f"{script}.py {METHOD[script]}" and results["epochs"] == 0
+    if script == "moco_simmoco_simco":
+        module.main(["--dataset", "textures", "--width", "8", "--epochs", "0", "--device", "cpu",
+                     "--linear-epochs", "0", "--symmetric", "--out", str(tmp_path / "sym")])
+        results = json.loads((tmp_path / "sym" / "results.json").read_text())
+        assert results["method"].startswith("moco_simmoco_simco.py --method simco --symmetric "
+                                            "--tau-alpha 0.1 ")
 
 
 def test_a_streamed_folder_is_named_with_its_path_on_the_start_up_line(tiny_folder, tmp_path,

@@ -100,7 +100,7 @@ def steps(name, ctx, count=1):
         g = torch.Generator().manual_seed(step)
         images = torch.randint(0, 256, (BATCH, 3, SIZE, SIZE), dtype=torch.uint8, generator=g)
         labels = torch.randint(0, 10, (BATCH,), generator=g)[rows].to(ctx.device)
-        views = [moved(v[rows], ctx.device) for v in augment(images, g)]
+        views = [moved(v, ctx.device) for v in augment(images[rows], g)]  # its rows' draws
         loss = t.step(views, labels, order)  # the mean over this rank's rows
         losses.append(float(common.all_reduce_sum(loss.float())) / ctx.world)
     grads = [p.grad.double().norm() for group in t.optimizer.param_groups
