@@ -910,32 +910,37 @@ def pretraining_optimizer(groups, args, ctx, lr):
 
 # ==================================================================================================
 # Part 2: plumbing that changes nothing a method computes
-# ==================================================================================================
-# -------------------------------------------------------------------------- errors and command line
+# =============================================================================
+# ----------------------------------------------------- errors and command line
 class UserError(Exception):
-    """A problem the user can fix: printed as one line, exit status 2, no traceback."""
+    """A problem the user can fix: one line, exit status 2, no traceback."""
 
 
-RUN = {"out": None, "argv": None, "script": None, "metrics": []}  # this process's
+RUN = {"out": None, "argv": None, "script": None, "metrics": []}  # this run
 
 
 def run(main):
-    """main(); a UserError or OSError: one `error:` line, exit 2; Ctrl-C: a --resume line, 130."""
-    rank = int(os.environ.get("RANK", 0))  # set before any process group exists
+    """main(); a UserError or OSError: one `error:` line, exit 2;
+    Ctrl-C: a --resume line, exit 130."""
+    rank = int(os.environ.get("RANK", 0))  # before any process group
     try:
         main()
     except (UserError, OSError, KeyboardInterrupt) as error:
-        for bar in list(tqdm._instances):  # the progress bar of an epoch it interrupts
+        for bar in list(tqdm._instances):  # an interrupted epoch's bar
             bar.close()
         if isinstance(error, KeyboardInterrupt):
             if rank == 0:
-                print(f"interrupted; continue with --resume {RUN['out']}", file=sys.stderr)
+                print(f"interrupted; continue with --resume {RUN['out']}",
+                      file=sys.stderr)
             sys.exit(130)
-        if rank != 0:  # rank 0 says what every rank met, and torchrun then stops the others; a
-            time.sleep(10)  # rank that met an error alone says it after a while
-        # raised in a DataLoader worker, the message is the worker's traceback: its last line
+        if rank != 0:
+            # Rank 0 speaks for all and torchrun stops the rest; a rank
+            # alone in its error speaks after the wait.
+            time.sleep(10)
+        # From a DataLoader worker, the message is its traceback.
         message = str(error).strip().splitlines()[-1].split("UserError: ")[-1]
-        print(f"error{f' (rank {rank})' if rank else ''}: {message}", file=sys.stderr)
+        where = f" (rank {rank})" if rank else ""
+        print(f"error{where}: {message}", file=sys.stderr)
         sys.exit(2)
     finally:
         if dist.is_initialized():
@@ -943,320 +948,458 @@ def run(main):
 
 
 def checked(convert, test, what):
-    """An argparse type: `convert` the text, refused unless `test` passes ("must be `what`")."""
+    """An argparse type: `convert`, refused unless `test` passes."""
     def parse(text):
         if not test(convert(text)):
             raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
         return convert(text)
-    parse.__name__ = convert.__name__  # argparse's "invalid int value: 'x'"
+    parse.__name__ = convert.__name__  # "invalid int value: 'x'"
     return parse
 
 
 positive_int = checked(int, lambda n: n >= 1, "a positive integer")
 non_negative_int = checked(int, lambda n: n >= 0, "0 or a positive integer")
 positive_float = checked(float, lambda x: 0 < x < math.inf, "a positive number")
-non_negative_float = checked(float, lambda x: 0 <= x < math.inf, "0 or a positive number")
+non_negative_float = checked(float, lambda x: 0 <= x < math.inf,
+                             "0 or a positive number")
 seed_value = checked(int, lambda s: 0 <= s < 2 ** 32, "in [0, 2^32)")
-momentum_value = checked(float, lambda m: 0 <= m < 1, "in [0, 1)")  # EMA: t <- m t + (1 - m) o
+# An EMA's momentum: t <- m t + (1 - m) o.
+momentum_value = checked(float, lambda m: 0 <= m < 1, "in [0, 1)")
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """--help keeps the usage docstring's layout and shows each default once (a help's own)."""
+class HelpFormatter(argparse.RawDescriptionHelpFormatter,
+                    argparse.ArgumentDefaultsHelpFormatter):
+    """--help: the usage docstring's layout, each default once."""
+
     def _get_help_string(self, action):
-        return action.help if "default" in (action.help or "") else super()._get_help_string(action)
+        if "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+METHOD_DEFAULTS = ("batch_size", "epochs", "lr", "wd", "warmup_epochs", "crop_scale")
 
 
 def add_common_args(parser):
-    """The shared options; each method file sets its batch, epochs, lr, wd, warm-up, crop."""
-    a, on_off = parser.add_argument, argparse.BooleanOptionalAction
-    a("--dataset", choices=[*STATS, "textures"], default="cifar10", help="imagefolder: DATA_DIR/"
-      "{train,val}/<class>/<images>; textures: 5 generated classes of 20 px images (a CPU demo)")
-    a("--data-dir", default="./data", help="where the data set is (CIFAR/STL-10 download here)")
-    a("--image-size", type=positive_int, help="default: 32 CIFAR, 96 STL-10, 224 imagefolder")
-    a("--stream", action="store_true", help="imagefolder: workers decode + crop each epoch")
-    a("--workers", type=non_negative_int, default=min(8, os.cpu_count() or 1), help="decoders")
-    a("--limit-train", type=positive_int, help="N training images (imagefolder: across classes)")
-    a("--arch", choices=["resnet18", "resnet34", "resnet50"], default="resnet18", help="backbone")
-    # 1: ours where no authors' CIFAR stem is cited (SimCLR's, GSG's); DT and NNCLR: 2, as theirs
-    a("--stem-padding", type=non_negative_int, default=1, help="padding of the 3x3 stem (<= 64 px)")
-    a("--width", type=positive_int, default=64, help="base channel count (64 = standard ResNet)")
-    a("--epochs", type=non_negative_int, help="pre-training epochs (0: evaluate the untrained net)")
-    a("--batch-size", type=positive_int, help="global batch, split evenly across processes")
-    a("--lr", type=positive_float, help="base learning rate per 256 images (lr = LR * batch / 256)")
+    """The shared options; the method file sets METHOD_DEFAULTS."""
+    a = parser.add_argument
+    on_off = argparse.BooleanOptionalAction
+    a("--dataset", choices=[*STATS, "textures"], default="cifar10",
+      help="imagefolder: DATA_DIR/{train,val}/<class>/<images>; "
+           "textures: 5 generated classes of 20 px images (a CPU demo)")
+    a("--data-dir", default="./data",
+      help="where the data set is (CIFAR/STL-10 download here)")
+    a("--image-size", type=positive_int,
+      help="default: 32 CIFAR, 96 STL-10, 224 imagefolder")
+    a("--stream", action="store_true",
+      help="imagefolder: workers decode + crop each epoch")
+    a("--workers", type=non_negative_int,
+      default=min(8, os.cpu_count() or 1), help="decoders")
+    a("--limit-train", type=positive_int,
+      help="N training images (imagefolder: across classes)")
+    a("--arch", choices=["resnet18", "resnet34", "resnet50"],
+      default="resnet18", help="backbone")
+    # 1: ours where no authors' CIFAR stem is cited (SimCLR, GSG); DT
+    # and NNCLR set 2, as theirs.
+    a("--stem-padding", type=non_negative_int, default=1,
+      help="padding of the 3x3 stem (<= 64 px)")
+    a("--width", type=positive_int, default=64,
+      help="base channel count (64 = standard ResNet)")
+    a("--epochs", type=non_negative_int,
+      help="pre-training epochs (0: evaluate the untrained net)")
+    a("--batch-size", type=positive_int,
+      help="global batch, split evenly across processes")
+    a("--lr", type=positive_float,
+      help="base learning rate per 256 images (lr = LR * batch / 256)")
     a("--wd", type=non_negative_float, help="weight decay")
-    a("--warmup-epochs", type=non_negative_int, help="linear learning-rate warm-up epochs")
-    a("--optimizer", choices=["sgd", "lars"], default="sgd", help="SGD (momentum 0.9) or LARS")
-    a("--lars-eta", type=positive_float, default=0.001, help="LARS trust coefficient (SimCLR's)")
-    a("--lars-clip", action=on_off, default=False, help="LARS: lr <= the schedule's (solo-learn's)")
-    a("--crop-scale", type=float, nargs=2, metavar=("MIN", "MAX"), help="random crop's area range")
+    a("--warmup-epochs", type=non_negative_int,
+      help="linear learning-rate warm-up epochs")
+    a("--optimizer", choices=["sgd", "lars"], default="sgd",
+      help="SGD (momentum 0.9) or LARS")
+    a("--lars-eta", type=positive_float, default=0.001,
+      help="LARS trust coefficient (SimCLR's)")
+    a("--lars-clip", action=on_off, default=False,
+      help="LARS: lr <= the schedule's (solo-learn's)")
+    a("--crop-scale", type=float, nargs=2, metavar=("MIN", "MAX"),
+      help="random crop's area range")
     a("--out", help="run folder (default runs/<script>-<time>-<process id>)")
-    a("--resume", metavar="RUN", help="continue RUN bit-for-bit, or evaluate a finished RUN again")
-    a("--stop-after", type=positive_int, help="end after that many epochs in all (then --resume)")
-    a("--eval-every", type=positive_int, default=10, help="kNN monitor every N epochs (and last)")
-    a("--knn-k", type=positive_int, default=200, help="neighbours of the kNN monitor")
-    a("--knn-t", type=positive_float, default=0.1, help="temperature of the weighted kNN vote")
-    a("--online-probe", action=on_off, default=False, help="the DT authors' online classifiers")
-    a("--linear-protocol", choices=list(LINEAR_PROTOCOLS), default="fixed", help="the final probe "
-      "(fixed: AdamW on fixed features; the others on crop+flip views): common.LINEAR_PROTOCOLS")
-    a("--linear-epochs", type=non_negative_int, help="probe epochs (None: the protocol's; 0: none)")
-    a("--linear-lr", type=positive_float, help="probe lr per 256 images (None: the protocol's)")
-    a("--linear-batch", type=positive_int, help="probe batch (None: the protocol's)")
-    a("--seed", type=seed_value, default=0, help="seed of model init, data order, augmentation")
+    a("--resume", metavar="RUN",
+      help="continue RUN bit-for-bit, or evaluate a finished RUN again")
+    a("--stop-after", type=positive_int,
+      help="end after that many epochs in all (then --resume)")
+    a("--eval-every", type=positive_int, default=10,
+      help="kNN monitor every N epochs (and last)")
+    a("--knn-k", type=positive_int, default=200,
+      help="neighbours of the kNN monitor")
+    a("--knn-t", type=positive_float, default=0.1,
+      help="temperature of the weighted kNN vote")
+    a("--online-probe", action=on_off, default=False,
+      help="the DT authors' online classifiers")
+    a("--linear-protocol", choices=list(LINEAR_PROTOCOLS), default="fixed",
+      help="the final probe (fixed: AdamW on fixed features; the others "
+           "on crop+flip views): common.LINEAR_PROTOCOLS")
+    a("--linear-epochs", type=non_negative_int,
+      help="probe epochs (None: the protocol's; 0: none)")
+    a("--linear-lr", type=positive_float,
+      help="probe lr per 256 images (None: the protocol's)")
+    a("--linear-batch", type=positive_int,
+      help="probe batch (None: the protocol's)")
+    a("--seed", type=seed_value, default=0,
+      help="seed of model init, data order, augmentation")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-      help="cuda, cuda:N or cpu (under torchrun, cuda means cuda:LOCAL_RANK)")
-    a("--amp", action=on_off, help="bf16 autocast (default: where the GPU has native bf16)")
-    a("--compile", action=on_off, default=False, help="torch.compile the model")
+      help="cuda, cuda:N or cpu (under torchrun, cuda means "
+           "cuda:LOCAL_RANK)")
+    a("--amp", action=on_off,
+      help="bf16 autocast (default: where the GPU has native bf16)")
+    a("--compile", action=on_off, default=False,
+      help="torch.compile the model")
 
 
-# The options --resume may change; every other one comes from the run's recorded command line.
-RESUMABLE = set("resume device data_dir workers stop_after eval_every compile amp knn_k knn_t "
-                "linear_protocol linear_epochs linear_lr linear_batch".split())
+# What --resume may change; the rest comes from the recorded line.
+RESUMABLE = set("resume device data_dir workers stop_after eval_every "
+                "compile amp knn_k knn_t linear_protocol linear_epochs "
+                "linear_lr linear_batch".split())
 
 
 def parse_args(parser, argv, script):
-    """A new run's --out (default: a fresh folder). --resume RUN: RUN's recorded command line, then
-    this one, which may change only RESUMABLE options; one now read otherwise is refused."""
+    """A new run's options (--out: a fresh folder); --resume RUN: its
+    recorded command line, then this one (RESUMABLE options only)."""
+    # Checked even if the command line gives one: the file is at fault.
+    unset = [k for k in METHOD_DEFAULTS if parser.get_default(k) is None]
+    if unset:
+        raise UserError(
+            f"{script}.py sets no default for {', '.join(unset)}: give "
+            f"each in its parser.set_defaults(...)")
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    args, RUN["script"] = parse(parser, argv), script
-    if args.resume is None:  # the process id keeps apart runs started in the same second
-        stamp = f"{script}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        args.out = args.out or os.path.join("runs", stamp)
+    args = parse(parser, argv)
+    RUN["script"] = script
+    if args.resume is None:
+        # The process id keeps apart runs started in one second.
+        name = f"{script}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        args.out = args.out or os.path.join("runs", name)
         RUN.update(out=args.out, argv=argv, metrics=[])
         return args
-    run = os.path.dirname(args.resume) if args.resume.endswith(".pt") else args.resume
-    path = os.path.join(run, "config.json")
+    folder = args.resume  # or RUN/checkpoint.pt
+    if folder.endswith(".pt"):
+        folder = os.path.dirname(folder)
+    path = os.path.join(folder, "config.json")
     try:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
         if config["script"] != script:
-            raise UserError(f"--resume {run}: that run was made by {config['script']}.py, not "
-                            f"{script}.py; start a new --out")
-        recorded, saved = [str(a) for a in config["argv"]], dict(config["args"])
-    except (OSError, ValueError, TypeError, KeyError):  # ValueError: not JSON, or not UTF-8
-        raise UserError(f"--resume {run}: no readable config.json with its command line there; "
-                        f"give a run folder of this project") from None
-    then, args = vars(parse(parser, recorded, path)), parse(parser, recorded + argv, path)
-    for key in [key for key in vars(args) if key not in RESUMABLE | {"out"}]:
-        option, value = f"--{key.replace('_', '-')}", json.loads(json.dumps(vars(args)[key]))
-        if value != json.loads(json.dumps(then[key])):  # (json: tuples as lists)
-            raise UserError(f"run {run} was trained with {option} {then[key]}, not {value}; drop "
-                            f"that option to continue it, or start a new --out")
-        if value is not None and value != saved.get(key, "missing"):  # None: set later (size)
-            was = json.dumps(saved[key]) if key in saved else "missing"
-            raise UserError(f"{path}: {option} is {was}, which the command line reads as "
-                            f"{json.dumps(value)}; start a new --out")
-    args.out = RUN["out"] = run
+            raise UserError(
+                f"--resume {folder}: that run was made by "
+                f"{config['script']}.py, not {script}.py; start a new --out")
+        recorded = [str(a) for a in config["argv"]]
+        saved = dict(config["args"])
+    except (OSError, ValueError, TypeError, KeyError):
+        # ValueError: not JSON, or not UTF-8; the others: not a config.
+        raise UserError(
+            f"--resume {folder}: no readable config.json with its command "
+            f"line there; give a run folder of this project") from None
+    then = vars(parse(parser, recorded, path))
+    args = parse(parser, recorded + argv, path)
+    for key, value in vars(args).items():
+        if key in RESUMABLE or key == "out":
+            continue
+        option = "--" + key.replace("_", "-")
+        value = json.loads(json.dumps(value))  # (json: tuples as lists)
+        if value != json.loads(json.dumps(then[key])):
+            raise UserError(
+                f"run {folder} was trained with {option} {then[key]}, not "
+                f"{value}; drop that option to continue it, or start a "
+                f"new --out")
+        # None: set later (the image size).
+        if value is None or value == saved.get(key, "missing"):
+            continue
+        was = json.dumps(saved[key]) if key in saved else "missing"
+        raise UserError(
+            f"{path}: {option} is {was}, which the command line reads as "
+            f"{json.dumps(value)}; start a new --out")
+    args.out = RUN["out"] = folder
     return args
 
 
 def parse(parser, argv, path=None):
-    """parse_args(argv), crop scale checked; a recorded line (from `path`) failing is one line."""
+    """Parse argv, crop scale checked; with `path`, a failure is one line."""
     def refuse(message):
-        raise UserError(f"{path}: its command line fails the check ({message}); start a new --out")
-    parser.error = refuse if path else parser.error  # (each parse_args call builds its parser)
+        raise UserError(f"{path}: its command line fails the check "
+                        f"({message}); start a new --out")
+    if path:  # (parse_args builds its parser anew)
+        parser.error = refuse
     args = parser.parse_args(argv)
-    if args.crop_scale and not 0 < args.crop_scale[0] <= args.crop_scale[1] <= 1:
-        raise UserError(f"--crop-scale {' '.join(map(str, args.crop_scale))}: need 0 < MIN <= MAX "
-                        f"<= 1")
+    scale = args.crop_scale
+    if scale and not 0 < scale[0] <= scale[1] <= 1:
+        raise UserError(f"--crop-scale {' '.join(map(str, scale))}: need "
+                        f"0 < MIN <= MAX <= 1")
     return args
 
 
 def setup(args):
-    """This process's device and torchrun's process group; cuDNN autotuner on, no TF32 matmuls."""
-    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    """Device, torchrun's process group; cuDNN autotuner on, no TF32."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.batch_size % world or args.batch_size // world < 2:
-        raise UserError(f"--batch-size {args.batch_size} must be a multiple of the {world} "
-                        f"processes with at least 2 images per process")
+        raise UserError(
+            f"--batch-size {args.batch_size} must be a multiple of the "
+            f"{world} processes with at least 2 images per process")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise UserError(f"--device {args.device}: use cuda, cuda:N or cpu")
-    device, count = torch.device(args.device), torch.cuda.device_count()
-    if device.type == "cuda" and device.index is None:  # torchrun: a GPU per local rank; or the
-        device = torch.device("cuda", local_rank if count > 1 else 0)  # one GPU a process sees
-    if device.type == "cuda" and device.index >= count:
-        raise UserError(f"--device {args.device}, but {count} CUDA GPU(s) are visible here; use "
-                        f"--device {f'cuda:{count - 1}' if count else 'cpu'}")
-    if device.type == "cuda":
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    count = torch.cuda.device_count()
+    if cuda and device.index is None:
+        # torchrun: a GPU per local rank, or the only one seen.
+        device = torch.device("cuda", local_rank if count > 1 else 0)
+    if cuda and device.index >= count:
+        other = f"cuda:{count - 1}" if count else "cpu"
+        raise UserError(
+            f"--device {args.device}, but {count} CUDA GPU(s) are visible "
+            f"here; use --device {other}")
+    if cuda:
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None)
-    amp = device.type == "cuda" and (args.amp if args.amp is not None else
-                                     torch.cuda.is_bf16_supported(including_emulation=False))
+        dist.init_process_group("nccl" if cuda else "gloo",
+                                device_id=device if cuda else None)
+    amp = cuda and args.amp  # unset: where the GPU has native bf16
+    if cuda and args.amp is None:
+        amp = torch.cuda.is_bf16_supported(including_emulation=False)
     return Context(rank, world, local_rank, device, args.out, amp)
 
 
-# ------------------------------------------------------------------------- epoch log and run folder
+# ---------------------------------------------------- epoch log and run folder
 class EpochMeter:
-    """Progress bar (loss, lr, images/s; host waits every `every` steps); summary(): the means."""
+    """Progress bar (loss, lr, images/s; host waits every `every` steps)."""
 
     def __init__(self, ctx, epoch, epochs, steps, images_per_step):
-        self.ctx, self.epoch, self.images_per_step = ctx, epoch, images_per_step
-        self.every = min(20, max(1, steps // 20))  # a short epoch's bar moves each step
-        self.sums, self.steps, self.lr = {}, 0, 0.0
-        self.bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{epochs}", disable=ctx.rank != 0,
-                        dynamic_ncols=True, leave=False)
+        self.world = ctx.world
+        self.epoch = epoch
+        self.images_per_step = images_per_step
+        self.every = min(20, max(1, steps // 20))
+        self.sums = {}
+        self.steps = 0
+        self.lr = 0.0
+        self.bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{epochs}", leave=False,
+                        disable=ctx.rank != 0, dynamic_ncols=True)
         self.start = self.last = time.perf_counter()
 
     def update(self, lr, **scalars):
-        self.steps, self.lr = self.steps + 1, lr
-        for name, value in scalars.items():
+        self.steps += 1
+        self.lr = lr
+        for name, value in scalars.items():  # summed on the device
             self.sums[name] = self.sums.get(name, 0) + value.detach().float()
-        if self.steps % self.every == 0:
-            now, loss = time.perf_counter(), self.sums["loss"].item() / self.steps
-            rate = self.every * self.images_per_step / (now - self.last)
-            self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.4g}", img_s=f"{rate:.0f}")
-            self.bar.update(self.every)
-            self.last = now
+        if self.steps % self.every:
+            return
+        now = time.perf_counter()
+        loss = self.sums["loss"].item() / self.steps
+        rate = self.every * self.images_per_step / (now - self.last)
+        self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.4g}", img_s=f"{rate:.0f}")
+        self.bar.update(self.every)
+        self.last = now
 
     def summary(self):
         self.bar.close()
-        means = {k: all_reduce_sum(s).item() / (self.steps * self.ctx.world)  # waits for the
-                 for k, s in self.sums.items()}  # device: the clock is read once it has finished
+        rows = self.steps * self.world
+        # .item() waits for the device: the clock reads a finished epoch.
+        means = {name: all_reduce_sum(total).item() / rows
+                 for name, total in self.sums.items()}
         seconds = time.perf_counter() - self.start
+        rate = self.steps * self.images_per_step / seconds
         return {"epoch": self.epoch + 1, **means, "lr": self.lr,
-                "images_per_s": self.steps * self.images_per_step / seconds, "seconds": seconds}
+                "images_per_s": rate, "seconds": seconds}
 
 
 def check_finite(record):
-    if not math.isfinite(record["loss"]):  # (every rank alike: the loss is the global mean)
-        kept = "the last checkpoint is kept" if record["epoch"] > 1 else "no checkpoint was written"
-        raise UserError(f"loss became {record['loss']} in epoch {record['epoch']}; {kept}; lower "
-                        f"--lr, check --wd and the temperatures, or try --no-amp")
+    """A non-finite loss stops every rank alike (a global mean)."""
+    if math.isfinite(record["loss"]):
+        return
+    kept = "no checkpoint was written"
+    if record["epoch"] > 1:
+        kept = "the last checkpoint is kept"
+    raise UserError(
+        f"loss became {record['loss']} in epoch {record['epoch']}; {kept}; "
+        f"lower --lr, check --wd and the temperatures, or try --no-amp")
+
+
+def one_line(record, spec):
+    return "  ".join(f"{k} {v:{spec}}" if isinstance(v, float) else
+                     f"{k} {v}" for k, v in record.items())
 
 
 def log_epoch(ctx, record):
-    """The epoch's line into the run's metrics (checkpoint.pt keeps them), metrics.jsonl, stdout."""
+    """The epoch's line into RUN's metrics, metrics.jsonl, stdout."""
     RUN["metrics"].append(record)
-    if ctx.rank == 0:
-        lines = "".join(json.dumps(r) + "\n" for r in RUN["metrics"])
-        write_atomic(os.path.join(ctx.out, "metrics.jsonl"), lines.encode())
-        ctx.print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                            for k, v in record.items()))
+    if ctx.rank != 0:
+        return
+    # All lines: a resume's are the checkpoint's (a later one goes).
+    lines = "".join(json.dumps(r) + "\n" for r in RUN["metrics"])
+    write_atomic(os.path.join(ctx.out, "metrics.jsonl"), lines.encode())
+    ctx.print(one_line(record, ".4g"))
 
 
-LOCKS = {}  # run folder (its real path) -> the open OUT/.lock whose flock this process holds
+LOCKS = {}  # run folder (real path) -> its OUT/.lock, flock held
 
 
 def hold_run_folder(out):
-    """One process at a time runs or resumes a folder: a flock on OUT/.lock, gone when it ends."""
-    if os.path.realpath(out) in LOCKS:  # a run and its resume in one Python session
+    """OUT/.lock's flock (gone when the process ends): one process in OUT."""
+    if os.path.realpath(out) in LOCKS:  # a run, its resume, one session
         return
     f = open(os.path.join(out, ".lock"), "a+", encoding="utf-8")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        time.sleep(0.1)  # the holder writes its name just after it takes the lock
-        f.seek(0)  # (the file is closed when the process ends, as the error ends it)
-        raise UserError(f"{out} is in use by process {f.read().strip()}: a run or --resume of it "
-                        f"is going on; wait for it to end (or stop it), then try again") from None
+        time.sleep(0.1)  # the holder writes its name after it locks
+        f.seek(0)
+        raise UserError(
+            f"{out} is in use by process {f.read().strip()}: a run or "
+            f"--resume of it is going on; wait for it to end (or stop "
+            f"it), then try again") from None
     f.truncate(0)
     print(os.getpid(), "on", socket.gethostname(), file=f, flush=True)
     LOCKS[os.path.realpath(out)] = f
 
 
 def write_atomic(path, data):
-    """`path` whole or not at all: `data` (bytes, or an object to torch.save) to a temp, renamed."""
-    if not isinstance(data, bytes):  # serialised first: a failing torch.save writes nothing
-        torch.save(data, buffer := io.BytesIO())
+    """`path` whole or not at all; `data`: bytes, or torch.save's input."""
+    if not isinstance(data, bytes):
+        # Serialised first: a failing torch.save writes nothing.
+        buffer = io.BytesIO()
+        torch.save(data, buffer)
         data = buffer.getvalue()
     temp = path + ".tmp"
     try:
         with open(temp, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())  # on disk before the rename: a power cut keeps one whole file
+            os.fsync(f.fileno())  # a power cut keeps one whole file
         os.replace(temp, path)
     except OSError as error:
-        raise UserError(f"cannot write {path} ({error.strerror}); the last good checkpoint is "
-                        f"kept: continue with --resume {os.path.dirname(path)}") from None
-    finally:  # what a full disk or Ctrl-C left (after the rename there is none)
+        raise UserError(
+            f"cannot write {path} ({error.strerror}); the last good "
+            f"checkpoint is kept: continue with --resume "
+            f"{os.path.dirname(path)}") from None
+    finally:  # what a full disk or Ctrl-C left (after the rename: none)
         with contextlib.suppress(OSError):
             os.remove(temp)
 
 
 def start_run(args, ctx, data, backbone):
-    """Say what runs where, warn of a run that ends in its warm-up; a new run takes the folder (its
-    lock), writes config.json. Called once data and model are ready: a failed start leaves none."""
+    """Say what runs where; a new run takes its folder (the lock), writes
+    config.json. Called when all is ready: a failed start leaves none."""
     where = "generated" if args.dataset == "textures" else args.data_dir
-    held, val = ("streamed", data.eval_test) if data.streaming else ("held", data.eval_test[1])
-    ctx.print(f"run {ctx.out}  data {args.dataset} ({where}, {held})  train {len(data)}  val "
-              f"{len(val)}  classes {data.num_classes}  image {data.image_size} px  device "
-              f"{ctx.device}  processes {ctx.world}  backbone {args.arch} width {args.width}: "
-              f"{sum(p.numel() for p in backbone.parameters()):,} parameters")
-    if 0 < args.epochs <= args.warmup_epochs:  # the lr ends at epochs / warm-up of its peak
-        ctx.print(f"warning: --epochs {args.epochs} is not more than --warmup-epochs "
-                  f"{args.warmup_epochs}: the learning rate never reaches its peak", sys.stderr)
+    held = "streamed" if data.streaming else "held"
+    val = data.eval_test if data.streaming else data.eval_test[1]
+    size = sum(p.numel() for p in backbone.parameters())
+    ctx.print(
+        f"run {ctx.out}  data {args.dataset} ({where}, {held})  train "
+        f"{len(data)}  val {len(val)}  classes {data.num_classes}  image "
+        f"{data.image_size} px  device {ctx.device}  processes {ctx.world}"
+        f"  backbone {args.arch} width {args.width}: {size:,} parameters")
+    if 0 < args.epochs <= args.warmup_epochs:
+        # The lr ends at epochs / warm-up of its peak.
+        ctx.print(f"warning: --epochs {args.epochs} is not more than "
+                  f"--warmup-epochs {args.warmup_epochs}: the learning "
+                  f"rate never reaches its peak", sys.stderr)
     if ctx.rank != 0 or args.resume:
         return
     os.makedirs(ctx.out, exist_ok=True)
-    hold_run_folder(ctx.out)  # no other run can begin here now; one stopped in epoch 1 restarts
-    if any(os.path.exists(os.path.join(ctx.out, f)) for f in ("checkpoint.pt", "results.json")):
-        raise UserError(f"--out {ctx.out} already holds a run: continue it with --resume "
-                        f"{ctx.out}, or choose another --out")
-    write_atomic(os.path.join(ctx.out, "metrics.jsonl"), b"")  # (an --epochs 0 run's stays empty)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    versions = dict(python=sys.version.split()[0], torch=torch.__version__, git_commit=commit)
-    config = dict(script=RUN["script"], argv=RUN["argv"], args=vars(args), world_size=ctx.world,
-                  versions=versions)
-    write_atomic(os.path.join(ctx.out, "config.json"), json.dumps(config, indent=2).encode())
+    # No other run can begin here now; one stopped in epoch 1 restarts.
+    hold_run_folder(ctx.out)
+    for name in ("checkpoint.pt", "results.json"):
+        if os.path.exists(os.path.join(ctx.out, name)):
+            raise UserError(
+                f"--out {ctx.out} already holds a run: continue it with "
+                f"--resume {ctx.out}, or choose another --out")
+    # An --epochs 0 run's stays empty.
+    write_atomic(os.path.join(ctx.out, "metrics.jsonl"), b"")
+    here = os.path.dirname(os.path.abspath(__file__))
+    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here,
+                         capture_output=True, text=True)
+    versions = dict(python=sys.version.split()[0], torch=torch.__version__,
+                    git_commit=git.stdout.strip() or None)
+    config = dict(script=RUN["script"], argv=RUN["argv"], args=vars(args),
+                  world_size=ctx.world, versions=versions)
+    write_atomic(os.path.join(ctx.out, "config.json"),
+                 json.dumps(config, indent=2).encode())
 
 
 def save_checkpoint(ctx, epoch, states):
-    """checkpoint.pt: the epochs done, the metrics' lines, each state_dict (model, queue, ...)."""
-    if ctx.rank == 0:
-        state = {name: s.state_dict() for name, s in states.items() if s is not None}
-        write_atomic(os.path.join(ctx.out, "checkpoint.pt"),
-                     {"epoch": epoch, "metrics": RUN["metrics"], **state})
+    """checkpoint.pt: the epochs done, metrics' lines, state_dicts."""
+    if ctx.rank != 0:
+        return
+    saved = {name: state.state_dict() for name, state in states.items()
+             if state is not None}  # None: a part this model lacks
+    checkpoint = {"epoch": epoch, "metrics": RUN["metrics"], **saved}
+    write_atomic(os.path.join(ctx.out, "checkpoint.pt"), checkpoint)
 
 
 def load_checkpoint(ctx, states):
-    """Take the run folder (its lock), load each state from checkpoint.pt -> the epochs done."""
+    """Take the run folder (its lock), load checkpoint.pt -> epochs."""
     if ctx.rank == 0:
         hold_run_folder(ctx.out)
     path = os.path.join(ctx.out, "checkpoint.pt")
-    try:  # missing (epoch 1 never ended), truncated, another project's, another model's
+    states = {k: s for k, s in states.items() if s is not None}
+    try:
+        # Missing (epoch 1 never ended), truncated, not a dict, ...
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        saved = checkpoint.keys() - {"epoch", "metrics"}
+        missing = ", ".join(sorted(states.keys() - saved)) or "none"
+        left_over = ", ".join(sorted(saved - states.keys())) or "none"
+        if saved != states.keys():  # named: not a KeyError, nor unsaid
+            raise UserError(
+                f"{path} does not fit this run (states missing: "
+                f"{missing}; left over: {left_over}); start a new --out")
         for name, state in states.items():
-            state is None or state.load_state_dict(checkpoint[name])
-        epoch, RUN["metrics"] = int(checkpoint["epoch"]), checkpoint["metrics"]
+            state.load_state_dict(checkpoint[name])
+        epoch = int(checkpoint["epoch"])
+        RUN["metrics"] = checkpoint["metrics"]
+    except UserError:
+        raise
     except Exception as error:
-        raise UserError(f"{path} does not fit this run or is unreadable ({type(error).__name__}: "
-                        f"{' '.join(str(error).split())[:120]}); start a new --out") from None
+        why = " ".join(str(error).split())[:120]
+        raise UserError(
+            f"{path} does not fit this run or is unreadable "
+            f"({type(error).__name__}: {why}); start a new --out") from None
     ctx.print(f"resumed {ctx.out} at epoch {epoch}")
     return epoch
 
 
 def finish(ctx, backbone, results):
-    """backbone.pt (torchvision's names), results.json (run again: eval-<time>.json); unlocked."""
+    """backbone.pt (torchvision's names); results.json, or eval-<time>.json."""
     if ctx.rank != 0:
         return
-    path, weights = (os.path.join(ctx.out, name) for name in ("results.json", "backbone.pt"))
+    path = os.path.join(ctx.out, "results.json")
     if os.path.exists(path):  # evaluated again
-        path = os.path.join(ctx.out, f"eval-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json")
-    if not os.path.exists(weights):
-        write_atomic(weights, {k: v.cpu() for k, v in backbone.state_dict().items()})
+        name = f"eval-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"
+        path = os.path.join(ctx.out, name)
+    weights = os.path.join(ctx.out, "backbone.pt")
+    if not os.path.exists(weights):  # first finish, or deleted
+        state = backbone.state_dict()
+        write_atomic(weights, {k: v.cpu() for k, v in state.items()})
     write_atomic(path, json.dumps(results, indent=2).encode())
-    lock = LOCKS.pop(os.path.realpath(ctx.out), None)  # closing the file drops its flock
-    lock and lock.close()
-    ctx.print("final: " + "  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
-                                    for k, v in results.items()) + f"\nwritten to {path}")
+    lock = LOCKS.pop(os.path.realpath(ctx.out), None)
+    if lock:
+        lock.close()  # which drops its flock
+    ctx.print(f"final: {one_line(results, '.2f')}\nwritten to {path}")
 
 
-# --------------------------------------------------------------------------------------------- data
-STATS = {"cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-         "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
-         "stl10": ((0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)),
-         "imagefolder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))}
-TEXTURES = ("horizontal_stripes", "vertical_stripes", "checkerboard", "dots", "rings")
+# ------------------------------------------------------------------------ data
+STATS = {  # (mean, std) per channel
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+    "stl10": ((0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)),
+    "imagefolder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+}
+TEXTURES = ("horizontal_stripes", "vertical_stripes", "checkerboard",
+            "dots", "rings")
 
 
 @dataclass
 class Data:
-    """Pre-training set and two evaluation splits (labels -1: unlabelled): uint8 (N, 3, H, W) and
-    (images, labels) on the device (`whole`: as decoded, seen through eval_view), or ImageFiles."""
+    """Pre-training set, two evaluation splits (labels -1: unlabelled):
+    uint8 (N, 3, H, W), (images, labels) on the device; or ImageFiles."""
     train: object
     train_labels: torch.Tensor
     eval_train: object
@@ -1266,129 +1409,176 @@ class Data:
     mean: tuple
     std: tuple
     streaming: bool = False
-    whole: bool = False
+    whole: bool = False  # as decoded, seen through eval_view
 
     def __len__(self):
         return len(self.train_labels)
 
 
 def load_data(args, ctx, crops=2):
-    """--dataset as Data; `crops`: random crops per image that a streaming train set makes."""
+    """--dataset as Data; `crops`: random crops per streamed image."""
     mean, std = STATS.get(args.dataset, STATS["imagefolder"])
-    size = {"cifar10": 32, "cifar100": 32, "stl10": 96, "textures": 20}.get(
-        args.dataset, args.image_size or 224)
+    sizes = {"cifar10": 32, "cifar100": 32, "stl10": 96, "textures": 20}
+    size = sizes.get(args.dataset, args.image_size or 224)
+    limit = args.limit_train
     if args.dataset == "imagefolder":
         data = image_folder(args, ctx, size, mean, std, crops)
-    elif args.image_size not in (None, size):  # (a resume would then refuse the recorded size)
-        raise UserError(f"--image-size {args.image_size}: {args.dataset} images are {size} px")
-    elif args.dataset == "textures":  # generated from --seed, nothing read or written
-        train, test = ([t.to(ctx.device) for t in split] for split in texture_images(args.seed))
-        train = train[0][:args.limit_train], train[1][:args.limit_train]
-        data = Data(*train, train, tuple(test), len(TEXTURES), size, mean, std)
-    elif args.dataset == "stl10":  # pre-train on train+unlabeled, evaluate on the labelled splits
-        train = torchvision_split(args, ctx, args.limit_train, split="train+unlabeled")
-        data = Data(*train, torchvision_split(args, ctx, args.limit_train, split="train"),
-                    torchvision_split(args, ctx, None, split="test"), 10, size, mean, std)
+    elif args.image_size not in (None, size):  # a resume would refuse it
+        raise UserError(f"--image-size {args.image_size}: {args.dataset} "
+                        f"images are {size} px")
+    elif args.dataset == "textures":  # from --seed: no file read
+        train, test = texture_images(args.seed)
+        train = tuple(t.to(ctx.device)[:limit] for t in train)
+        test = tuple(t.to(ctx.device) for t in test)
+        data = Data(*train, train, test, len(TEXTURES), size, mean, std)
+    elif args.dataset == "stl10":  # evaluated on the labelled splits
+        train = torchvision_split(args, ctx, limit, split="train+unlabeled")
+        labelled = torchvision_split(args, ctx, limit, split="train")
+        test = torchvision_split(args, ctx, None, split="test")
+        data = Data(*train, labelled, test, 10, size, mean, std)
     else:
-        train = torchvision_split(args, ctx, args.limit_train, train=True)
-        data = Data(*train, train, torchvision_split(args, ctx, None, train=False),
-                    100 if args.dataset == "cifar100" else 10, size, mean, std)
+        train = torchvision_split(args, ctx, limit, train=True)
+        test = torchvision_split(args, ctx, None, train=False)
+        classes = 100 if args.dataset == "cifar100" else 10
+        data = Data(*train, train, test, classes, size, mean, std)
     if len(data) < args.batch_size:
-        raise UserError(f"--batch-size {args.batch_size}: only {len(data)} training images")
+        raise UserError(f"--batch-size {args.batch_size}: only {len(data)} "
+                        f"training images")
     return data
 
 
 def texture_images(seed, counts=(2000, 500), size=20):
-    """--dataset textures: (uint8 (N, 3, S, S), labels) per split, image i a TEXTURES[i % 5] in two
-    fixed colours (either the foreground) plus noise: no cue in colour, an untrained net's cue."""
+    """--dataset textures: (uint8 (N, 3, S, S), labels) per split,
+    image i a TEXTURES[i % 5] in two fixed colours (either in front)
+    plus noise: no cue in colour, one an untrained net sees."""
     generator = torch.Generator().manual_seed(seed)
-    u = lambda n: torch.rand(n, 1, 1, generator=generator)  # noqa: E731  (n, 1, 1) in [0, 1)
-    colours = torch.tensor([[0.85, 0.75, 0.25], [0.2, 0.25, 0.6]]).view(2, 3, 1, 1)  # yellow, blue
-    y, x = torch.meshgrid(torch.arange(size).float(), torch.arange(size).float(), indexing="ij")
+
+    def uniform(n):  # (n, 1, 1) in [0, 1)
+        return torch.rand(n, 1, 1, generator=generator)
+
+    yellow_blue = [[0.85, 0.75, 0.25], [0.2, 0.25, 0.6]]
+    colours = torch.tensor(yellow_blue).view(2, 3, 1, 1)
+    pixels = torch.arange(size).float()
+    y, x = torch.meshgrid(pixels, pixels, indexing="ij")  # (S, S)
     splits = []
     for n in counts:
-        label, period = torch.arange(n) % len(TEXTURES), 4.5 + 2 * u(n)  # (n,), 4.5-6.5 px
-        y_, x_ = y + period * u(n), x + period * u(n)  # (n, S, S) shifted by a random phase
-        centre_y, centre_x = size * (0.2 + 0.6 * u(n)), size * (0.2 + 0.6 * u(n))  # rings' centres
-        wave = lambda t: torch.sin(2 * torch.pi * t / period)  # noqa: E731
-        dy, dx = (torch.remainder(t, period) - period / 2 for t in (y_, x_))
-        patterns = torch.stack([wave(y_) > 0, wave(x_) > 0, wave(y_) * wave(x_) > 0,
-                                dy ** 2 + dx ** 2 < (0.3 * period) ** 2,
-                                wave(((y - centre_y) ** 2 + (x - centre_x) ** 2).sqrt()) > 0])
-        mask = patterns[label, torch.arange(n)].unsqueeze(1).float()  # (n, 1, S, S)
-        first = torch.randint(2, (n,), generator=generator)  # which colour is the foreground
-        images = mask * colours[first] + (1 - mask) * colours[1 - first]  # (n, 3, S, S)
-        images = images + 0.08 * torch.randn(n, 3, size, size, generator=generator)
-        splits.append(((images.clamp(0, 1) * 255).round().to(torch.uint8), label))
+        label = torch.arange(n) % len(TEXTURES)  # (n,)
+        period = 4.5 + 2 * uniform(n)  # 4.5-6.5 px
+        y_ = y + period * uniform(n)  # (n, S, S), a random phase
+        x_ = x + period * uniform(n)
+        centre_y = size * (0.2 + 0.6 * uniform(n))  # the rings'
+        centre_x = size * (0.2 + 0.6 * uniform(n))
+
+        def wave(t):
+            return torch.sin(2 * torch.pi * t / period)
+
+        dy = torch.remainder(y_, period) - period / 2
+        dx = torch.remainder(x_, period) - period / 2
+        radius = ((y - centre_y) ** 2 + (x - centre_x) ** 2).sqrt()
+        patterns = torch.stack([  # (5, n, S, S), as TEXTURES
+            wave(y_) > 0, wave(x_) > 0, wave(y_) * wave(x_) > 0,
+            dy ** 2 + dx ** 2 < (0.3 * period) ** 2, wave(radius) > 0])
+        mask = patterns[label, torch.arange(n)]
+        mask = mask.unsqueeze(1).float()  # (n, 1, S, S)
+        first = torch.randint(2, (n,), generator=generator)  # foreground
+        images = mask * colours[first] + (1 - mask) * colours[1 - first]
+        noise = torch.randn(n, 3, size, size, generator=generator)
+        images = images + 0.08 * noise
+        images = (images.clamp(0, 1) * 255).round().to(torch.uint8)
+        splits.append((images, label))
     return splits
 
 
 def torchvision_split(args, ctx, limit, **split):
-    """CIFAR/STL-10: uint8 (N, 3, S, S), labels on the device; fetched or checked under a lock."""
-    cls = getattr(torchvision.datasets, args.dataset.upper())  # CIFAR10, CIFAR100, STL10
-    folders = [os.path.join(args.data_dir, f) for f in ("train", "val", cls.base_folder)]
-    if all(map(os.path.isdir, folders[:2])) and not os.path.exists(folders[2]):  # nothing written
-        raise UserError(f"{args.data_dir} holds train/ and val/: use --dataset imagefolder")
-    lock = contextlib.nullcontext()  # a read-only folder, a file system without flock: no lock
+    """CIFAR/STL-10: uint8 (N, 3, S, S), labels on the device;
+    downloaded, or checked, under a lock."""
+    cls = getattr(torchvision.datasets, args.dataset.upper())
+    root = args.data_dir
+    folders = [os.path.join(root, f) for f in ("train", "val")]
+    own = os.path.join(root, cls.base_folder)
+    # An ImageFolder: said before anything is written.
+    if all(map(os.path.isdir, folders)) and not os.path.exists(own):
+        raise UserError(f"{root} holds train/ and val/: use --dataset imagefolder")
+    # A read-only folder, or no flock: no lock.
+    lock = contextlib.nullcontext()
     with contextlib.suppress(OSError):
-        os.makedirs(args.data_dir, exist_ok=True)
-        lock = open(os.path.join(args.data_dir, ".download.lock"), "a")
+        os.makedirs(root, exist_ok=True)
+        lock = open(os.path.join(root, ".download.lock"), "a")
         fcntl.flock(lock, fcntl.LOCK_EX)  # closing the file releases it
     with lock:
         try:
-            cls(args.data_dir, download=True, **split)
-        except Exception:  # URLError, RuntimeError("Dataset not found or corrupted"), ...
-            raise UserError(f"no {args.dataset} in {args.data_dir}; it could not be downloaded: "
-                            f"put {cls.filename} or its {cls.base_folder}/ there") from None
-    dataset = cls(args.data_dir, download=False, **split)  # read outside the lock
+            cls(root, download=True, **split)
+        except Exception:  # URLError, RuntimeError("...corrupted"), ...
+            raise UserError(
+                f"no {args.dataset} in {root}; it could not be "
+                f"downloaded: put {cls.filename} or its "
+                f"{cls.base_folder}/ there") from None
+    dataset = cls(root, download=False, **split)  # outside the lock
     images = torch.as_tensor(dataset.data)
-    images = images.permute(0, 3, 1, 2) if images.shape[-1] == 3 else images  # CIFAR is NHWC
-    labels = torch.as_tensor(dataset.labels if args.dataset == "stl10" else dataset.targets)
-    return images[:limit].contiguous().to(ctx.device), labels[:limit].long().to(ctx.device)
+    if images.shape[-1] == 3:  # CIFAR is NHWC
+        images = images.permute(0, 3, 1, 2)
+    labels = dataset.labels if args.dataset == "stl10" else dataset.targets
+    labels = torch.as_tensor(labels)[:limit].long().to(ctx.device)
+    return images[:limit].contiguous().to(ctx.device), labels
 
 
 def image_folder(args, ctx, size, mean, std, crops):
-    """DATA_DIR/train and val as Data: held on the device, each file whole (the crop samples the
-    full image, as streaming's does), or with --stream decoded by DataLoader workers each epoch."""
-    try:  # FileNotFoundError: no folder; RuntimeError: no class folder, or one without images
-        train, val = (torchvision.datasets.ImageFolder(os.path.join(args.data_dir, split))
-                      for split in ("train", "val"))
+    """DATA_DIR/{train,val} as Data: held on the device, each file
+    whole, or --stream: decoded by DataLoader workers each epoch."""
+    folders = [os.path.join(args.data_dir, s) for s in ("train", "val")]
+    try:  # no folder; no class folder, or one without images
+        train = torchvision.datasets.ImageFolder(folders[0])
+        val = torchvision.datasets.ImageFolder(folders[1])
     except (FileNotFoundError, RuntimeError) as error:
-        raise UserError(f"imagefolder: {error}; --data-dir needs train/ and val/ folders with "
-                        f"one subfolder of images per class") from None
-    classes, only = len(train.classes), sorted(set(train.classes) ^ set(val.classes))
+        raise UserError(
+            f"imagefolder: {error}; --data-dir needs train/ and val/ "
+            f"folders with one subfolder of images per class") from None
+    classes = len(train.classes)
+    only = sorted(set(train.classes) ^ set(val.classes))
     if only:
-        raise UserError(f"imagefolder: train/ and val/ need the same class folders; "
-                        f"{', '.join(only[:5])}{' ...' if len(only) > 5 else ''} only in one")
-    train, val = train.samples, val.samples  # (path, label) lists, class by class
-    if args.limit_train and args.limit_train < len(train):  # spread over the classes
-        train = [train[i * len(train) // args.limit_train] for i in range(args.limit_train)]
-    labels = [torch.tensor([y for _, y in s], device=ctx.device) for s in (train, val)]
+        more = " ..." if len(only) > 5 else ""
+        raise UserError(
+            f"imagefolder: train/ and val/ need the same class folders; "
+            f"{', '.join(only[:5])}{more} only in one")
+    train = train.samples  # (path, label), class by class
+    val = val.samples
+    limit = args.limit_train
+    if limit and limit < len(train):  # spread over the classes
+        train = [train[i * len(train) // limit] for i in range(limit)]
+    labels = [torch.tensor([y for _, y in s], device=ctx.device)
+              for s in (train, val)]
     if args.stream:
         return Data(ImageFiles(train, size, crops, args.crop_scale), labels[0],
-                    ImageFiles(train, size), ImageFiles(val, size), classes, size, mean, std,
-                    streaming=True)
-    held = []  # (images, labels) per split; every rank decodes all: a held folder is small
+                    ImageFiles(train, size), ImageFiles(val, size), classes,
+                    size, mean, std, streaming=True)
+    held = []  # (images, labels) per split, on every rank
     for samples, split_labels in zip((train, val), labels):
-        files = [x for x, _ in torch.utils.data.DataLoader(
-            ImageFiles(samples), None, num_workers=args.workers)]
+        loader = torch.utils.data.DataLoader(
+            ImageFiles(samples), None, num_workers=args.workers)
+        files = [x for x, _ in loader]
         sizes = sorted({f"{x.shape[2]}x{x.shape[1]}" for x in files})
         if len(sizes) > 1:
-            raise UserError(f"imagefolder: {os.path.dirname(os.path.dirname(samples[0][0]))} holds "
-                            f"images of different sizes ({', '.join(sizes[:3])} px); add --stream")
+            folder = os.path.dirname(os.path.dirname(samples[0][0]))
+            raise UserError(
+                f"imagefolder: {folder} holds images of different sizes "
+                f"({', '.join(sizes[:3])} px); add --stream")
         held.append((torch.stack(files).to(ctx.device), split_labels))
-    return Data(*held[0], held[0], held[1], classes, size, mean, std, whole=True)  # train shared
+    return Data(*held[0], held[0], held[1], classes, size, mean, std,
+                whole=True)
 
 
 class ImageFiles(torch.utils.data.Dataset):
-    """(path, label) list -> uint8 (3, S, S), the evaluation view (eval_view); `crops`: (crops, 3,
-    S, S), RandomResizedCrop + flip of the full image (streamed training); no size: as decoded."""
+    """(path, label) list -> uint8 (3, S, S), eval_view's (no size: as
+    decoded); `crops`: (crops, 3, S, S), flip + crop of the full image."""
 
     def __init__(self, samples, size=None, crops=0, scale=(0.08, 1.0)):
-        self.samples, self.size, self.crops, self.seed = samples, size, crops, 0
+        self.samples = samples
+        self.size = size
+        self.crops = crops
+        self.seed = 0  # the epoch's, set by train_batches
         if crops:
-            self.random = T.Compose([T.RandomHorizontalFlip(),
-                                     T.RandomResizedCrop(size, tuple(scale), antialias=True)])
+            crop = T.RandomResizedCrop(size, tuple(scale), antialias=True)
+            self.random = T.Compose([T.RandomHorizontalFlip(), crop])
 
     def __len__(self):
         return len(self.samples)
@@ -1397,15 +1587,22 @@ class ImageFiles(torch.utils.data.Dataset):
         path, label = self.samples[i]
         try:
             with Image.open(path) as image:
-                mode, image = image.mode, image.convert("RGB")
-        except Exception as error:  # OSError, and the SyntaxError, ValueError, ... of damaged files
-            raise UserError(f"unreadable image {path} ({type(error).__name__}); remove or "
-                            f"replace it") from None
-        if mode[0] in "IF":  # I;16, I, F: convert("RGB") clipped them to 8 bits
-            raise UserError(f"image {path} is {mode} (16-bit or float); convert it to 8 bits")
+                mode = image.mode
+                image = image.convert("RGB")
+        except Exception as error:  # OSError, SyntaxError, ValueError...
+            raise UserError(
+                f"unreadable image {path} ({type(error).__name__}); "
+                f"remove or replace it") from None
+        if mode[0] in "IF":  # I;16, I, F: convert("RGB") clipped them
+            raise UserError(f"image {path} is {mode} (16-bit or float); "
+                            f"convert it to 8 bits")
         image = TF.pil_to_tensor(image)
+        if not self.crops and self.size is None:
+            return image, label
         if not self.crops:
-            return (image if self.size is None else eval_view(image, self.size)), label
-        with torch.random.fork_rng(devices=[]):  # the crops depend on (epoch seed, image) only:
-            torch.manual_seed(self.seed + i)  # whichever rank or worker loads it, or a resumed run
-            return torch.stack([self.random(image) for _ in range(self.crops)]), label
+            return eval_view(image, self.size), label
+        # (epoch seed, image) alone sets the crops: any rank, worker, resume.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed + i)
+            views = [self.random(image) for _ in range(self.crops)]
+        return torch.stack(views), label

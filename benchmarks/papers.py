@@ -11,9 +11,10 @@ SOURCES = {
                  "ResNet-18, CIFAR-100, 200 epochs; their solo-learn fork trains an online "
                  "linear probe on the encoder and one on the momentum encoder; the README does "
                  "not name which its table reports, so ours of both stand beside it",
-    "GSG Table 1": "Lee & Lee, NeurIPS 2023, Table 1 (shared/papers/guided_stop_gradient.txt "
-                   "lines 137-145): CIFAR-10, ResNet-18, 200 epochs, kNN k=1 and linear top-1 "
-                   "(Sec. 5.1), mean and standard deviation of 3 runs (line 169)",
+    "GSG Table 1": "Lee & Lee, 'Implicit Contrastive Representation Learning with Guided "
+                   "Stop-gradient', NeurIPS 2023, Table 1: CIFAR-10, ResNet-18, 200 epochs, kNN "
+                   "k=1 and linear top-1 (Sec. 5.1), mean and standard deviation of 3 runs "
+                   "(Sec. 5.1, 'Results')",
     "lightly": "github.com/lightly-ai/lightly docs/source/getting_started/benchmarks.rst, "
                "'CIFAR-10', lines 155-179 (commit e8d317f): ResNet-18, 200 epochs, kNN k=200, "
                "reported as the best epoch's test accuracy (lines 139-143); a third party's runs",
@@ -34,10 +35,10 @@ PROTOCOLS = {
                    "the DT authors' online linear probes (their solo-learn fork's), on the encoder "
                    "and on the momentum encoder (MoCo v2, SimMoCo), test top-1 after the last "
                    "epoch; their README does not say which its numbers are, so both face them"),
-    # --linear-protocol gsg-cifar is GSG's CIFAR probe (GSG Sec. 5.1: SGD m 0.9, lr 30,
-    # batch 256, cosine, 90 epochs; guided_stop_gradient.txt line 167), its crop+flip views this
-    # project's assumption (no source gives them); kNN k=1 (line 165; a majority vote, which our
-    # weighted vote equals at k=1)
+    # --linear-protocol gsg-cifar is GSG's CIFAR probe (GSG Sec. 5.1, 'Linear evaluation': SGD
+    # m 0.9, lr 30, batch 256, cosine, 90 epochs), its crop+flip views this project's assumption
+    # (no source gives them); kNN k=1 (Sec. 5.1, 'k-nearest neighbors': a majority vote, which
+    # our weighted vote equals at k=1)
     "gsg": Protocol(["--linear-protocol", "gsg-cifar"], ["knn_k1_top1", "linear_top1"], True,
                     "kNN k=1 and GSG's CIFAR linear probe (SGD lr 30, 90 epochs, cosine: GSG Sec. "
                     "5.1; its crop+flip views are this project's assumption, not the paper's)"),

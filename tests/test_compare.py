@@ -43,7 +43,7 @@ def published(paper):
 
 
 SOURCE_FILES = {"DT README": "ChaoningZhang/Dual-temperature README.md",
-                "GSG Table 1": "guided_stop_gradient.txt lines 137-145",
+                "GSG Table 1": "Guided Stop-gradient', NeurIPS 2023, Table 1",
                 "lightly": "lightly-ai/lightly docs/source/getting_started/benchmarks.rst",
                 "DCL abstract": "2110.06848"}
 

@@ -2,6 +2,7 @@
 in it is written whole or not at all, a full disk, a damaged file or Ctrl-C is one line, and an
 interrupted run resumes to the same results (tiny runs of simclr_dcl.py on CPU)."""
 
+import argparse
 import errno
 import json
 import multiprocessing
@@ -275,16 +276,65 @@ def test_a_saved_config_is_checked_as_the_command_line_is(stopped_run, tmp_path,
 
 
 @pytest.mark.parametrize("checkpoint, message", [
-    (torch.zeros(3), "does not fit this run or is unreadable (IndexError"),
-    ({"model": {}}, "does not fit this run or is unreadable (RuntimeError"),
-    ({"epoch": 1}, "does not fit this run or is unreadable (KeyError: 'model')"),
-], ids=["tensor", "no-epoch", "no-model"])
+    (torch.zeros(3), "does not fit this run or is unreadable (AttributeError"),
+    ({"model": {}}, "does not fit this run (states missing: optimizer; left over: none)"),
+    ({"epoch": 1}, "does not fit this run (states missing: model, optimizer; left over: none)"),
+], ids=["tensor", "model-only", "epoch-only"])
 def test_a_checkpoint_of_the_wrong_structure_is_one_error_line(stopped_run, tmp_path, capsys,
                                                                checkpoint, message):
     """A checkpoint.pt that loads but is not a dict with the epochs done and every state."""
     run = copy_of(stopped_run, tmp_path)
     torch.save(checkpoint, run / "checkpoint.pt")
     fails_with(["--resume", str(run)], capsys, f"{run / 'checkpoint.pt'} {message}")
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.pop("optimizer"), "(states missing: optimizer; left over: none)"),
+    (lambda c: c.update(queue={}), "(states missing: none; left over: queue)"),
+    (lambda c: c.pop("epoch"), "or is unreadable (KeyError: 'epoch')"),
+], ids=["missing", "left-over", "no-epoch"])
+def test_a_checkpoint_state_missing_or_left_over_is_named(stopped_run, tmp_path, capsys,
+                                                          change, message):
+    """A real checkpoint.pt with one of the run's states taken out, or with a state the run does
+    not have: one error line naming it (not a bare KeyError, nor a state silently dropped)."""
+    run = copy_of(stopped_run, tmp_path)
+    checkpoint = torch.load(run / "checkpoint.pt", weights_only=True)
+    change(checkpoint)
+    torch.save(checkpoint, run / "checkpoint.pt")
+    fails_with(["--resume", str(run)], capsys,
+               f"{run / 'checkpoint.pt'} does not fit this run {message}")
+
+
+def method_parser(**defaults):
+    """A method file's parser that sets only `defaults` of those add_common_args leaves to it."""
+    parser = argparse.ArgumentParser()
+    common.add_common_args(parser)
+    parser.set_defaults(**defaults)
+    return parser
+
+
+@pytest.mark.parametrize("defaults, argv, missing", [
+    ({}, [], "batch_size, epochs, lr, wd, warmup_epochs, crop_scale"),
+    ({"epochs": 1, "wd": 0.0, "warmup_epochs": 0}, ["--batch-size", "8", "--lr", "0.1"],
+     "batch_size, lr, crop_scale"),
+], ids=["none", "some"])
+def test_a_method_file_without_a_shared_default_is_named(tmp_path, capsys, defaults, argv,
+                                                         missing):
+    """A method file that forgets to set_defaults a shared option add_common_args leaves None:
+    one error line naming each missing default and where to set it, exit status 2 (not a
+    TypeError in setup). A value on the command line does not stand in: the file is wrong."""
+    def main():
+        parser = method_parser(**defaults)
+        args = common.parse_args(parser, argv + ["--out", tmp_path / "run"], "demo")
+        common.setup(args)
+
+    with pytest.raises(SystemExit) as exit_info:
+        common.run(main)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: demo.py sets no default for {missing}: give each in its "
+        f"parser.set_defaults(...)"]
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_finished_run_rebuilds_a_missing_backbone(stopped_run, tmp_path):

@@ -1,6 +1,6 @@
-"""common.py reads teaching part first (STYLE habit 16): Part 1, what the methods build on, then
-Part 2, plumbing; the module docstring lists every section; no loss, head or model of a method
-file calls a Part 2 function."""
+"""common.py puts the reader's path first: Part 1, what the methods build on, comes before Part 2,
+the plumbing that changes nothing a method computes; the module docstring lists every section;
+no loss, head or model of a method file calls a Part 2 function."""
 import ast
 import inspect
 import os

@@ -1,5 +1,6 @@
-"""The concepts two method files share look alike in each (STYLE.md habit 15): the FIFO of
-embeddings, the momentum encoder and its EMA, the recipe function and train_step's arguments."""
+"""Siblings look alike: a concept two method files share has the same shape and names in each,
+though each file keeps its own copy (the FIFO of embeddings, the momentum encoder and its EMA,
+the recipe function and train_step's arguments)."""
 import inspect
 import re
 
