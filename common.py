@@ -908,7 +908,7 @@ def pretraining_optimizer(groups, args, ctx, lr):
     return torch.optim.SGD(groups, lr=lr, momentum=0.9, weight_decay=args.wd)
 
 
-# ==================================================================================================
+# =============================================================================
 # Part 2: plumbing that changes nothing a method computes
 # =============================================================================
 # ----------------------------------------------------- errors and command line
