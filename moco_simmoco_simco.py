@@ -213,7 +213,8 @@ def dual_temperature_loss(q, k, tau_alpha=0.1, tau_beta=1.0, queue=None):
         log_denom = torch.logaddexp(l_pos[:, 0] / tau, log_neg)
         return log_neg - log_denom
 
-    # sg(.): the weight is a constant to autograd.
+    # sg(.): a constant to autograd, so each anchor's gradient
+    # keeps InfoNCE's direction at tau_alpha, only rescaled.
     with torch.no_grad():
         log_w_alpha = log_w(tau_alpha)
         log_w_beta = log_w(tau_beta)

@@ -186,6 +186,8 @@ def guided_stopgrad_loss(p11, p12, p21, p22, z11, z12, z21, z22,
     Euclidean distance (Eq. 4); it puts the predictor on view a of
     x1 and view b of x2:
       guided   c = argmin d (Eq. 5), the closest cross-image views;
+               each chases its sibling's target, away from the
+               other image: the implicit contrast (GSG Eq. 3);
       reverse  c = 3 - argmin d, Eq. 2's other terms (Eq. 7);
       random   c uniform in 0..3: `random_case` (B,) or torch's RNG."""
     with torch.no_grad():

@@ -150,6 +150,25 @@ def test_dclw_weights_have_mean_one(sigma):
     assert w[cos.argmin()] == w.max() and w[cos.argmax()] == w.min()
 
 
+def test_dclw_weight_is_a_constant_so_every_positive_pair_is_pulled_closer():
+    """DCLW's positive term is -sum_i w_i s_i / tau with w = sg(w(s)). With w a constant, its
+    gradient on each pair's cosine s_i is -w_i / tau < 0: every pair is pulled closer. With w's
+    own gradient (the weight differentiated), the easiest pair's (s = 0.9) flips sign: its term
+    would push its two views apart. On s = (0.1, 0.5, 0.9), sigma 0.5: -1.83 -> +5.68."""
+    s = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64, requires_grad=True)
+    w = dclw_weights(s, 0.5)
+    assert not w.requires_grad
+    (-(w * s).sum() / TAU).backward()
+    assert (s.grad < 0).all()
+    assert s.grad[2].item() == pytest.approx(-1.83, abs=0.01)
+    t = s.detach().clone().requires_grad_()
+    vmf = torch.exp(t / 0.5)
+    w_with_grad = 2 - vmf / vmf.mean()  # the same weight, differentiated
+    torch.testing.assert_close(w_with_grad.detach(), w)
+    (-(w_with_grad * t).sum() / TAU).backward()
+    assert t.grad[2].item() == pytest.approx(5.68, abs=0.01)
+
+
 def test_dclw_tends_to_dcl_as_sigma_grows():
     """w -> 1 and L_DCW -> L_DC, value and gradient, as sigma -> inf."""
     z1, z2 = unit_pairs(seed=6)
