@@ -432,7 +432,7 @@ def test_smoke_python_and_torchrun_agree(tiny_folder, tmp_path):
     assert one.returncode == 0, one.stderr[-3000:]
     two = run_script("nnclr_dcl.py", args(tmp_path / "two"), nproc=2)
     assert two.returncode == 0, two.stderr[-3000:]
-    assert "final: method nnclr_dcl.py --loss dclw  knn_top1 " in one.stdout
+    assert "final: method nnclr_dcl.py --loss dclw --temperature 0.2 " in one.stdout
     assert " linear_top1 " in one.stdout
     _, (line1,), _ = check_run_folder(tmp_path / "one", 1)
     _, (line2,), _ = check_run_folder(tmp_path / "two", 1)
