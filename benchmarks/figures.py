@@ -41,6 +41,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -201,9 +202,10 @@ def dcl_figure(runs):
             loss=args.loss, temperature=args.temperature,
             bin_edges=edges.sigmoid().tolist(),
             batch_sizes=rows)
-    for ax, what in zip(axes[-2:], ("mean <q_B>", "C_v")):
+    whats = ("mean <q_B>", "C_v = std / mean of q_B")
+    for ax, what in zip(axes[-2:], whats):
         ax.set(xscale="log", xlabel="batch size N",
-               ylabel=what, title=f"{what} of q_B")
+               ylabel=what, title=what)
         ax.set_xticks(sizes, [str(s) for s in sizes])
         ax.legend(fontsize=7)
     return fig, saved
@@ -258,7 +260,8 @@ def dt_figure(runs):
     for run, ax in zip(runs, axes):
         args, sizes, entropy = entropy_by_dictionary(run)
         for tau, row in entropy.items():
-            ax.plot(sizes, row, "o-", label=f"tau = {tau}")
+            ax.plot(sizes, row, "o-",
+                    label=f"tau_beta = {tau}")
         # A logit axis spreads the values close to 1.
         ax.set(xscale="log", yscale="logit",
                xlabel="dictionary size K",
@@ -275,11 +278,13 @@ def dt_figure(runs):
 # --------------------------------------- GSG Figs. 4, 5
 def gsg_figure(runs):
     fig, axes = panels(3, "GSG Figs. 4, 5", columns=3)
-    titles = ("Fig. 4: kNN top-1, with predictor",
-              "Fig. 5: kNN top-1, no predictor",
-              "Fig. 5: proj_std, no predictor")
-    for ax, title in zip(axes, titles):
-        ax.set(title=title, xlabel="epoch")
+    titles = ("Fig. 4: with predictor",
+              "Fig. 5: no predictor",
+              "Fig. 5: no predictor")
+    labels = ("kNN top-1 (%)", "kNN top-1 (%)", "proj_std")
+    for ax, title, label in zip(axes, titles, labels):
+        ax.set(title=title, xlabel="epoch", ylabel=label)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     saved = {}
     for run in runs:
         options = read_json(run, "config.json")["args"]
@@ -320,6 +325,7 @@ def curves_figure(runs):
                 ax.plot(*zip(*points), "o-", label=run)
                 saved[key][run] = points
         ax.set(title=key, xlabel="epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize=7)
     return fig, saved
 
