@@ -1,34 +1,18 @@
-r"""Draw the papers' diagnostic figures from run folders.
-
-Each figure is this code at small scale, labelled with the
-paper's figure number; it is not a reproduction. Each PNG goes
-to --out with its data beside it as JSON.
+r"""The papers' figures, drawn by this code at small scale from
+run folders (labelled with the paper's figure number, not a
+reproduction); each PNG goes to --out with its data as JSON.
 
     python benchmarks/figures.py dcl --train  # DCL Fig. 1
     python benchmarks/figures.py dt --train   # DT Fig. 3
     python benchmarks/figures.py gsg --train  # GSG Figs. 4, 5
-    python benchmarks/figures.py dcl RUN [RUN ...]  # your runs
     python benchmarks/figures.py curves RUN [RUN ...]
 
-dcl: q_B, the negative-positive coupling multiplier
-(simclr_dcl.npc_multiplier), of 1024 images' augmented views
-split into batches of 32 ... 1024: its distribution, mean and
-coefficient of variation. dt: the entropy of r_+ over 256
-anchors (moco_simmoco_simco.dual_temperature_loss, then
-anchor_weight_stats) against K keys of other images, at several
-tau_beta, divided by log 256. Both rebuild the model from the
-run's config.json and checkpoint.pt. gsg: kNN top-1 per epoch,
-and proj_std without a predictor. curves: every number of
-metrics.jsonl per epoch.
-
---train first runs compare.py's variants for the figure on
---dataset textures (the README's quick start, kNN every epoch)
-into RUNS_DIR/FIGURE; a second call reuses finished runs.
-MoCo v2 runs with --lr 1.0 --key-momentum 0.999 --queue-size
-256: at the quick start's momentum 0.99 its loss climbs to
-log(K + 1) and its kNN stays near the untrained 51%; with MoCo's
-own momentum 0.999 it learns (kNN 51% -> 83% in 3 epochs).
-Options after `--` go to every run, e.g. `-- --device cuda`.
+--train first runs the figure's variants by compare.py (the
+README's quick start, kNN each epoch; options after `--` go
+last). MoCo v2 there takes --lr 1.0 --key-momentum 0.999
+--queue-size 256: at m = 0.99 its loss climbs to log(K + 1)
+and its kNN stays near the untrained 51%; at MoCo's m = 0.999
+it learns (51% -> 77% in 3 epochs).
 """
 import argparse
 import importlib
@@ -44,123 +28,119 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(HERE))
 import common  # noqa: E402
 
-# The README's quick start, with kNN each epoch and no
-# final linear probe (no figure shows it).
-QUICK = ["--dataset", "textures", "--width", "8",
-         "--batch-size", "32", "--lr", "0.3",
-         "--warmup-epochs", "0", "--epochs", "3",
-         "--proj-hidden", "256", "--proj-dim", "64",
-         "--eval-every", "1", "--linear-epochs", "0"]
+# The README's quick start; no figure shows a linear probe.
+QUICK = ("--dataset textures --width 8 --batch-size 32 --lr 0.3"
+         " --warmup-epochs 0 --epochs 3 --proj-hidden 256"
+         " --proj-dim 64 --eval-every 1 --linear-epochs 0").split()
 MOCO = "--lr 1.0 --key-momentum 0.999 --queue-size 256"
-STOPGRADS = ("symmetric", "guided", "random", "reverse",
-             "symmetric-no-predictor", "guided-no-predictor")
-# figure -> compare.py's variants and their own options
+GSG = ["symmetric", "guided", "random", "reverse"]
+# figure -> compare.py's variants and their options
 TRAIN = {
     "dcl": (["simclr-infonce", "simclr-dcl"], []),
     "dt": (["mocov2", "simco"],
-           ["--no-online-probe",
-            "--per-variant", "mocov2", MOCO]),
-    "gsg": ([f"simsiam-{s}" for s in STOPGRADS],
+           ["--no-online-probe", "--per-variant", "mocov2", MOCO]),
+    "gsg": ([f"simsiam-{s}" for s in GSG]
+            + [f"simsiam-{s}-no-predictor" for s in GSG[:2]],
             ["--epochs", "5", "--limit-train", "1000"]),
 }
 SIZES = (32, 64, 128, 256, 512, 1024)
 TAUS = (0.05, 0.1, 0.2, 0.5, 1.0)
-ANCHORS = 256
-BINS = 40
 SKIP = {"epoch", "seconds", "images_per_s"}
 
 
-# --------------------------------------------------- runs
+# ------------ runs
 def name(run):
     return os.path.basename(os.path.normpath(run))
 
 
-def read_json(run, file):
-    with open(os.path.join(run, file)) as f:
+def config(run):
+    with open(os.path.join(run, "config.json")) as f:
         return json.load(f)
 
 
-def read_metrics(run):
+def metrics(run):
     with open(os.path.join(run, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in f]
 
 
-def rebuild(run):
-    """A run's script (module), options, data and checkpoint,
-    its recorded command line parsed by its own parse_args."""
-    config = read_json(run, "config.json")
-    script = importlib.import_module(config["script"])
+def per_epoch(run, key):
+    """[[epoch, value], ...] of one number of metrics.jsonl."""
+    return [[m["epoch"], m[key]] for m in metrics(run) if key in m]
+
+
+def rebuild(run, n):
+    """A run's script, options (its parse_args on its recorded
+    command line), checkpoint, and two views of its first n
+    training images by the script's recipes."""
+    recorded = config(run)
+    script = importlib.import_module(recorded["script"])
     # A figure's few thousand views need no GPU.
-    argv = config["argv"] + ["--device", "cpu"]
-    args = script.parse_args(argv)
+    args = script.parse_args(recorded["argv"] + ["--device", "cpu"])
     ctx = common.setup(args)
     data = common.load_data(args, ctx)
     args.image_size = data.image_size
-    path = os.path.join(run, "checkpoint.pt")
-    checkpoint = torch.load(path, map_location="cpu",
-                            weights_only=True)
-    return script, args, ctx, data, checkpoint
-
-
-def views(script, args, ctx, data, n):
-    """Two views of the first n training images, drawn by
-    the script's own recipes."""
-    augment = common.Augment(script.recipes(args),
-                             data.image_size, data.mean,
-                             data.std, ctx)
+    augment = common.Augment(script.recipes(args), data.image_size,
+                             data.mean, data.std, ctx)
     generator = torch.Generator().manual_seed(args.seed)
-    return augment(data.train[:n], generator)
+    views = augment(data.train[:n], generator)
+    path = os.path.join(run, "checkpoint.pt")
+    return script, args, torch.load(path, weights_only=True), views
 
 
-def save(fig, saved, out, figure):
-    os.makedirs(out, exist_ok=True)
-    fig.savefig(os.path.join(out, f"{figure}.png"), dpi=110)
-    with open(os.path.join(out, f"{figure}.json"), "w") as f:
-        json.dump(saved, f, indent=1)
-    print(f"written: {os.path.join(out, figure)}.png, .json")
+def network(cls, args, state):
+    net = cls(args.arch, args.width, args.image_size,
+              args.proj_hidden, args.proj_dim, args.stem_padding)
+    net.load_state_dict(state)
+    # In eval mode a view's projection is the same in any batch,
+    # so only the number of negatives changes with the batch.
+    return net.eval()
 
 
-def panels(count, title, columns=4):
-    """A titled figure and its `count` axes, in rows."""
-    rows = -(-count // columns)
-    width = min(count, columns)
+def panels(count, title):
+    """A titled figure and its `count` axes, four a row."""
+    rows = -(-count // 4)
+    width = min(count, 4)
     fig = Figure(figsize=(4.2 * width, 3.4 * rows),
                  layout="constrained")
     fig.suptitle(f"{title}: this code at small scale, "
                  f"not a reproduction")
-    axes = list(fig.subplots(rows, width,
-                             squeeze=False).flat)
-    for ax in axes[count:]:
-        ax.set_visible(False)
-    return fig, axes[:count]
+    return fig, [fig.add_subplot(rows, width, i + 1)
+                 for i in range(count)]
 
 
-# ------------------------------------------ DCL Fig. 1
+def epochs_axis(ax, title, ylabel=None):
+    ax.set(title=title, xlabel="epoch", ylabel=ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def save(fig, saved, out, figure):
+    for ax in fig.axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, figure)
+    fig.savefig(path + ".png", dpi=110)
+    with open(path + ".json", "w") as f:
+        json.dump(saved, f, indent=1)
+    print(f"written: {path}.png and {path}.json")
+
+
+# ------------ DCL Fig. 1
 @torch.no_grad()
 def npc_by_batch(run):
-    """The run's options and {N: q_B of every anchor of the
-    batches of N images}, by simclr_dcl.npc_multiplier."""
-    script, args, ctx, data, checkpoint = rebuild(run)
-    model = script.SimCLR(args.arch, args.width,
-                          data.image_size, args.proj_hidden,
-                          args.proj_dim, args.stem_padding)
-    model.load_state_dict(checkpoint["model"])
-    # Eval mode: a view's projection is then the same in any
-    # batch, and only the number of negatives changes.
-    model.eval()
-    n = min(SIZES[-1], len(data))
-    x1, x2 = views(script, args, ctx, data, n)
+    """The run's options, {N: q_B of each anchor of batches of N
+    images} by simclr_dcl.npc_multiplier."""
+    script, args, state, (x1, x2) = rebuild(run, SIZES[-1])
+    model = network(script.SimCLR, args, state["model"])
     z1 = model(x1)  # (n, D)
     z2 = model(x2)  # (n, D)
     q = {}
-    for size in [s for s in SIZES if s <= n]:
-        used = n // size * size
-        pairs = zip(z1[:used].split(size),
-                    z2[:used].split(size))
+    for size in [s for s in SIZES if s <= len(z1)]:
+        used = len(z1) // size * size
+        pairs = zip(z1[:used].split(size), z2[:used].split(size))
         q[size] = torch.cat([
             script.npc_multiplier(a, b, args.temperature)
             for a, b in pairs])  # (2 * used,)
@@ -169,88 +149,68 @@ def npc_by_batch(run):
 
 def dcl_figure(runs):
     fig, axes = panels(len(runs) + 2, "DCL Fig. 1")
+    axes[-2].set(title="mean <q_B>")
+    axes[-1].set(title="C_v = std / mean of q_B")
     saved = {}
     for run, ax in zip(runs, axes):
         args, q = npc_by_batch(run)
         label = f"{name(run)} (--loss {args.loss})"
-        # Bins even in logit(q_B) = log U - pos, drawn on a
-        # logit axis: q_B near 0 or 1 stays readable.
-        logits = torch.logit(torch.cat(list(q.values())))
+        # Bins even in logit(q_B) = log U - pos, on a logit
+        # axis: a q_B close to 1 stays readable.
+        logits = torch.cat(list(q.values())).logit()
         edges = torch.linspace(logits.min().item(),
-                               logits.max().item(), BINS + 1)
+                               logits.max().item(), 41)
         rows = {}
         for size, values in q.items():
-            mean = values.mean().item()
-            std = values.std(correction=0).item()
-            counts = torch.histogram(torch.logit(values),
-                                     edges).hist
-            share = counts / counts.sum()
-            ax.stairs(share, edges.sigmoid(),
-                      label=f"N = {size}")
-            rows[size] = dict(mean=mean, cv=std / mean,
-                              share=share.tolist())
-        ax.set(xscale="logit", xlabel="q_B",
-               ylabel="share of anchors",
-               title=f"q_B: {label}")
-        ax.legend(fontsize=7)
+            counts = torch.histogram(values.logit(), edges).hist
+            share = counts / len(values)
+            ax.stairs(share, edges.sigmoid(), label=f"N = {size}")
+            cv = values.std(correction=0) / values.mean()
+            rows[size] = dict(mean=values.mean().item(),
+                              cv=cv.item(), share=share.tolist())
+        ax.set(xscale="logit", xlabel="q_B", title=label,
+               ylabel="share of anchors")
         sizes = list(rows)
-        means = [rows[s]["mean"] for s in sizes]
-        cvs = [rows[s]["cv"] for s in sizes]
-        axes[-2].plot(sizes, means, "o-", label=label)
-        axes[-1].plot(sizes, cvs, "o-", label=label)
-        saved[name(run)] = dict(
-            loss=args.loss, temperature=args.temperature,
-            bin_edges=edges.sigmoid().tolist(),
-            batch_sizes=rows)
-    whats = ("mean <q_B>", "C_v = std / mean of q_B")
-    for ax, what in zip(axes[-2:], whats):
-        ax.set(xscale="log", xlabel="batch size N",
-               ylabel=what, title=what)
-        ax.set_xticks(sizes, [str(s) for s in sizes])
-        ax.legend(fontsize=7)
+        for key, side in zip(("mean", "cv"), axes[-2:]):
+            side.plot(sizes, [rows[n][key] for n in sizes], "o-",
+                      label=label)
+        saved[name(run)] = dict(loss=args.loss, batch_sizes=rows,
+                                bin_edges=edges.sigmoid().tolist())
+    for ax in axes[-2:]:
+        ax.set(xscale="log", xlabel="batch size N")
+        ax.set_xticks(sizes, [str(n) for n in sizes])
     return fig, saved
 
 
-# -------------------------------------------- DT Fig. 3
+# ------------ DT Fig. 3
 @torch.no_grad()
-def entropy_by_dictionary(run):
-    """The dictionary sizes K and {tau_beta: H(r_+) / log A
-    at each K} of A anchors, by the script's own functions."""
-    script, args, ctx, data, checkpoint = rebuild(run)
-
-    def encoder(state):
-        net = script.Encoder(args.arch, args.width,
-                             data.image_size, args.proj_hidden,
-                             args.proj_dim, args.stem_padding)
-        net.load_state_dict(state)
-        return net.eval()  # each key the same in any batch
-
-    query = encoder(checkpoint["model"])
-    # SimCo has no key encoder: its one encoder makes keys.
-    key = encoder(checkpoint.get("key_encoder",
-                                 checkpoint["model"]))
-    n = min(len(data), 2048)
-    anchors = min(ANCHORS, n // 2)
-    x1, x2 = views(script, args, ctx, data, n)
-    # In float64: at a large K every W_i lies closer to 1
-    # than float32 resolves.
-    q = query(x1[:anchors]).double()  # (A, D)
-    k = key(x2[:anchors]).double()  # (A, D) the positives
-    # The dictionary holds other images' keys only, so no
-    # anchor meets its own positive among the negatives.
-    keys = F.normalize(key(x2[anchors:]).double(), dim=1)
-    sizes = [2 ** i for i in range(0, 17)
-             if 2 ** i <= len(keys)]
+def entropy_by_dictionary(run, anchors=256):
+    """The run's options, dictionary sizes K and {tau_beta:
+    H(r_+) / log A at each K} of A anchors, by the script's
+    dual_temperature_loss and anchor_weight_stats."""
+    script, args, state, (x1, x2) = rebuild(run, 2048)
+    query = network(script.Encoder, args, state["model"])
+    # SimCo has no key encoder: its one encoder makes the keys.
+    key = network(script.Encoder, args,
+                  state.get("key_encoder", state["model"]))
+    a = min(anchors, len(x1) // 2)
+    # In float64: at a large K every W_i lies closer to 1 than
+    # float32 resolves.
+    q = query(x1[:a]).double()  # (A, D)
+    k = key(x2[:a]).double()  # (A, D) the positives
+    # Other images' keys only: no anchor meets its positive
+    # among the negatives.
+    keys = F.normalize(key(x2[a:]).double(), dim=1)
+    sizes = [2 ** i for i in range(17) if 2 ** i <= len(keys)]
     entropy = {}
     for tau in TAUS:
-        row = []
+        entropy[tau] = []
         for size in sizes:
             _, w = script.dual_temperature_loss(
                 q, k, args.tau_alpha, tau, keys[:size])
             h = script.anchor_weight_stats(*w)[2]
-            # log A is the entropy of equal weights.
-            row.append(h.item() / math.log(anchors))
-        entropy[tau] = row
+            # log A, the entropy of equal weights, is the most.
+            entropy[tau].append(h.item() / math.log(a))
     return args, sizes, entropy
 
 
@@ -260,73 +220,52 @@ def dt_figure(runs):
     for run, ax in zip(runs, axes):
         args, sizes, entropy = entropy_by_dictionary(run)
         for tau, row in entropy.items():
-            ax.plot(sizes, row, "o-",
-                    label=f"tau_beta = {tau}")
+            ax.plot(sizes, row, "o-", label=f"tau_beta = {tau}")
         # A logit axis spreads the values close to 1.
         ax.set(xscale="log", yscale="logit",
                xlabel="dictionary size K",
                ylabel="H(r_+) / log(anchors)",
                title=f"{name(run)} (--method {args.method})")
-        ax.legend(fontsize=7)
-        saved[name(run)] = dict(method=args.method,
-                                tau_alpha=args.tau_alpha,
-                                dictionary_sizes=sizes,
+        saved[name(run)] = dict(dictionary_sizes=sizes,
                                 normalised_entropy=entropy)
     return fig, saved
 
 
-# --------------------------------------- GSG Figs. 4, 5
+# ------------ GSG Figs. 4, 5
 def gsg_figure(runs):
-    fig, axes = panels(3, "GSG Figs. 4, 5", columns=3)
-    titles = ("Fig. 4: with predictor",
-              "Fig. 5: no predictor",
-              "Fig. 5: no predictor")
-    labels = ("kNN top-1 (%)", "kNN top-1 (%)", "proj_std")
-    for ax, title, label in zip(axes, titles, labels):
-        ax.set(title=title, xlabel="epoch", ylabel=label)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig, axes = panels(3, "GSG Figs. 4, 5")
+    epochs_axis(axes[0], "Fig. 4: with predictor", "kNN top-1 (%)")
+    epochs_axis(axes[1], "Fig. 5: no predictor", "kNN top-1 (%)")
+    epochs_axis(axes[2], "Fig. 5: no predictor", "proj_std")
     saved = {}
     for run in runs:
-        options = read_json(run, "config.json")["args"]
-        lines = read_metrics(run)
-        knn = [[line["epoch"], line["knn_top1"]]
-               for line in lines if "knn_top1" in line]
-        std = [[line["epoch"], line["proj_std"]]
-               for line in lines]
-        if options["no_predictor"]:
-            axes[1].plot(*zip(*knn), "o-", label=name(run))
-            axes[2].plot(*zip(*std), "o-", label=name(run))
-        else:
-            axes[0].plot(*zip(*knn), "o-", label=name(run))
-        saved[name(run)] = dict(
-            method=options["method"],
-            stopgrad=options["stopgrad"],
-            no_predictor=options["no_predictor"],
-            knn_top1=knn, proj_std=std)
-    for ax in axes:
-        ax.legend(fontsize=7)
+        alone = config(run)["args"]["no_predictor"]
+        shown = {"knn_top1": axes[0]}
+        # Without a predictor the run is Fig. 5's.
+        if alone:
+            shown = {"knn_top1": axes[1], "proj_std": axes[2]}
+        saved[name(run)] = {}
+        for key, ax in shown.items():
+            points = per_epoch(run, key)
+            ax.plot(*zip(*points), "o-", label=name(run))
+            saved[name(run)][key] = points
     return fig, saved
 
 
-# ------------------------------------- training curves
+# ------------ training curves
 def curves_figure(runs):
-    lines = {name(run): read_metrics(run) for run in runs}
-    keys = [key for key in dict.fromkeys(
-        key for rows in lines.values()
-        for row in rows for key in row) if key not in SKIP]
+    keys = dict.fromkeys(key for run in runs
+                         for line in metrics(run) for key in line)
+    keys = [key for key in keys if key not in SKIP]
     fig, axes = panels(len(keys), "training curves")
-    saved = {}
+    saved = {key: {} for key in keys}
     for ax, key in zip(axes, keys):
-        saved[key] = {}
-        for run, rows in lines.items():
-            points = [[row["epoch"], row[key]]
-                      for row in rows if key in row]
+        epochs_axis(ax, key)
+        for run in runs:
+            points = per_epoch(run, key)
             if points:
-                ax.plot(*zip(*points), "o-", label=run)
-                saved[key][run] = points
-        ax.set(title=key, xlabel="epoch")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.legend(fontsize=7)
+                ax.plot(*zip(*points), "o-", label=name(run))
+                saved[key][name(run)] = points
     return fig, saved
 
 
@@ -334,7 +273,7 @@ FIGURES = {"dcl": dcl_figure, "dt": dt_figure,
            "gsg": gsg_figure, "curves": curves_figure}
 
 
-# --------------------------------------------------- main
+# ------------ main
 def parse_args(argv):
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(
@@ -346,25 +285,24 @@ def parse_args(argv):
     a("--train", action="store_true",
       help="first train the figure's runs (not curves)")
     a("--runs-dir", default="runs/figures",
-      help="--train: its run folders go to RUNS_DIR/FIGURE")
+      help="--train: its runs go to RUNS_DIR/FIGURE")
     a("--out", default="benchmarks/figures",
       help="where FIGURE.png and FIGURE.json go")
     args = parser.parse_args(argv[:split])
     args.given = argv[split + 1:]
-    if args.train and args.figure == "curves":
-        parser.error("--train: dcl, dt or gsg, no curves")
+    if args.train and args.figure not in TRAIN:
+        parser.error("--train: dcl, dt or gsg, not curves")
     if not (args.runs or args.train):
         parser.error("give run folders, or --train")
     return args
 
 
 def train(args):
-    """Run the figure's variants through compare.py (each a
+    """The figure's variants run by compare.py (each through its
     script's real command line) -> their run folders."""
     variants, options = TRAIN[args.figure]
     folder = os.path.join(args.runs_dir, args.figure)
-    command = [sys.executable,
-               os.path.join(HERE, "compare.py"),
+    command = [sys.executable, os.path.join(HERE, "compare.py"),
                "--out", folder, "--variants", *variants,
                *QUICK, *options, "--", *args.given]
     if subprocess.run(command).returncode:
