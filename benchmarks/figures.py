@@ -257,6 +257,8 @@ def curves_figure(runs):
     keys = dict.fromkeys(key for run in runs
                          for line in metrics(run) for key in line)
     keys = [key for key in keys if key not in SKIP]
+    first = ("loss", "lr", "knn_top1")
+    keys.sort(key=lambda key: key not in first)
     fig, axes = panels(len(keys), "training curves")
     saved = {key: {} for key in keys}
     for ax, key in zip(axes, keys):
@@ -285,9 +287,9 @@ def parse_args(argv):
     a("--train", action="store_true",
       help="first train the figure's runs (not curves)")
     a("--runs-dir", default="runs/figures",
-      help="--train: its runs go to RUNS_DIR/FIGURE")
+      help="--train: its runs go to RUNS_DIR/FIGURE (%(default)s)")
     a("--out", default="benchmarks/figures",
-      help="where FIGURE.png and FIGURE.json go")
+      help="FIGURE.png and FIGURE.json go here (%(default)s)")
     args = parser.parse_args(argv[:split])
     args.given = argv[split + 1:]
     if args.train and args.figure not in TRAIN:

@@ -152,3 +152,13 @@ def test_one_command_trains_and_draws(trained):
         assert len(metrics(folder / name)) == 1
     with pytest.raises(SystemExit):
         figures.parse_args(["curves", "--train"])
+
+
+def test_train_recipe_is_the_readme_quick_start():
+    """--train's runs take the README's quick start (T), with kNN each epoch and no linear
+    probe, so the figures show the runs the README's numbers come from."""
+    from test_readme import readme, section
+    lines = section(readme(), "## Quick start").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("T="))
+    t = " ".join(lines[start:start + 2]).split('"')[1].replace("\\", "").split()
+    assert figures.QUICK == t + ["--eval-every", "1", "--linear-epochs", "0"]
