@@ -1,0 +1,325 @@
+r"""The papers' figures, drawn by this code at small scale from
+run folders (labelled with the paper's figure number, not a
+reproduction); each PNG goes to --out with its data as JSON.
+
+    python benchmarks/figures.py dcl --train  # DCL Fig. 1
+    python benchmarks/figures.py dt --train   # DT Fig. 3
+    python benchmarks/figures.py gsg --train  # GSG Figs. 4, 5
+    python benchmarks/figures.py curves RUN [RUN ...]
+
+--train first runs the figure's variants by compare.py (the
+README's quick start, kNN each epoch; options after `--` go
+last). MoCo v2 there takes --lr 1.0 --key-momentum 0.999
+--queue-size 256: at m = 0.99 its loss climbs to log(K + 1)
+and its kNN stays near the untrained 51%; at MoCo's m = 0.999
+it learns (51% -> 77% in 3 epochs).
+"""
+import argparse
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+import common  # noqa: E402
+
+# The README's quick start; no figure shows a linear probe.
+QUICK = ("--dataset textures --width 8 --batch-size 32 --lr 0.3"
+         " --warmup-epochs 0 --epochs 3 --proj-hidden 256"
+         " --proj-dim 64 --eval-every 1 --linear-epochs 0").split()
+MOCO = "--lr 1.0 --key-momentum 0.999 --queue-size 256"
+GSG = ["symmetric", "guided", "random", "reverse"]
+# figure -> compare.py's variants and their options
+TRAIN = {
+    "dcl": (["simclr-infonce", "simclr-dcl"], []),
+    "dt": (["mocov2", "simco"],
+           ["--no-online-probe", "--per-variant", "mocov2", MOCO]),
+    "gsg": ([f"simsiam-{s}" for s in GSG]
+            + [f"simsiam-{s}-no-predictor" for s in GSG[:2]],
+            ["--epochs", "5", "--limit-train", "1000"]),
+}
+SIZES = (32, 64, 128, 256, 512, 1024)
+TAUS = (0.05, 0.1, 0.2, 0.5, 1.0)
+SKIP = {"epoch", "seconds", "images_per_s"}
+
+
+# ------------ runs
+def name(run):
+    return os.path.basename(os.path.normpath(run))
+
+
+def config(run):
+    with open(os.path.join(run, "config.json")) as f:
+        return json.load(f)
+
+
+def metrics(run):
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def per_epoch(run, key):
+    """[[epoch, value], ...] of one number of metrics.jsonl."""
+    return [[m["epoch"], m[key]] for m in metrics(run) if key in m]
+
+
+def rebuild(run, n):
+    """A run's script, options (its parse_args on its recorded
+    command line), checkpoint, and two views of its first n
+    training images by the script's recipes."""
+    recorded = config(run)
+    script = importlib.import_module(recorded["script"])
+    # A figure's few thousand views need no GPU.
+    args = script.parse_args(recorded["argv"] + ["--device", "cpu"])
+    ctx = common.setup(args)
+    data = common.load_data(args, ctx)
+    args.image_size = data.image_size
+    augment = common.Augment(script.recipes(args), data.image_size,
+                             data.mean, data.std, ctx)
+    generator = torch.Generator().manual_seed(args.seed)
+    views = augment(data.train[:n], generator)
+    path = os.path.join(run, "checkpoint.pt")
+    return script, args, torch.load(path, weights_only=True), views
+
+
+def network(cls, args, state):
+    net = cls(args.arch, args.width, args.image_size,
+              args.proj_hidden, args.proj_dim, args.stem_padding)
+    net.load_state_dict(state)
+    # In eval mode a view's projection is the same in any batch,
+    # so only the number of negatives changes with the batch.
+    return net.eval()
+
+
+def panels(count, title):
+    """A titled figure and its `count` axes, four a row."""
+    rows = -(-count // 4)
+    width = min(count, 4)
+    fig = Figure(figsize=(4.2 * width, 3.4 * rows),
+                 layout="constrained")
+    fig.suptitle(f"{title}: this code at small scale, "
+                 f"not a reproduction")
+    return fig, [fig.add_subplot(rows, width, i + 1)
+                 for i in range(count)]
+
+
+def epochs_axis(ax, title, ylabel=None):
+    ax.set(title=title, xlabel="epoch", ylabel=ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def save(fig, saved, out, figure):
+    for ax in fig.axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, figure)
+    fig.savefig(path + ".png", dpi=110)
+    with open(path + ".json", "w") as f:
+        json.dump(saved, f, indent=1)
+    print(f"written: {path}.png and {path}.json")
+
+
+# ------------ DCL Fig. 1
+@torch.no_grad()
+def npc_by_batch(run):
+    """The run's options, {N: q_B of each anchor of batches of N
+    images} by simclr_dcl.npc_multiplier."""
+    script, args, state, (x1, x2) = rebuild(run, SIZES[-1])
+    model = network(script.SimCLR, args, state["model"])
+    z1 = model(x1)  # (n, D)
+    z2 = model(x2)  # (n, D)
+    q = {}
+    for size in [s for s in SIZES if s <= len(z1)]:
+        used = len(z1) // size * size
+        pairs = zip(z1[:used].split(size), z2[:used].split(size))
+        q[size] = torch.cat([
+            script.npc_multiplier(a, b, args.temperature)
+            for a, b in pairs])  # (2 * used,)
+    return args, q
+
+
+def dcl_figure(runs):
+    fig, axes = panels(len(runs) + 2, "DCL Fig. 1")
+    axes[-2].set(title="mean <q_B>")
+    axes[-1].set(title="C_v = std / mean of q_B")
+    saved = {}
+    for run, ax in zip(runs, axes):
+        args, q = npc_by_batch(run)
+        label = f"{name(run)} (--loss {args.loss})"
+        # Bins even in logit(q_B) = log U - pos, on a logit
+        # axis: a q_B close to 1 stays readable.
+        logits = torch.cat(list(q.values())).logit()
+        edges = torch.linspace(logits.min().item(),
+                               logits.max().item(), 41)
+        rows = {}
+        for size, values in q.items():
+            counts = torch.histogram(values.logit(), edges).hist
+            share = counts / len(values)
+            ax.stairs(share, edges.sigmoid(), label=f"N = {size}")
+            cv = values.std(correction=0) / values.mean()
+            rows[size] = dict(mean=values.mean().item(),
+                              cv=cv.item(), share=share.tolist())
+        ax.set(xscale="logit", xlabel="q_B", title=label,
+               ylabel="share of anchors")
+        sizes = list(rows)
+        for key, side in zip(("mean", "cv"), axes[-2:]):
+            side.plot(sizes, [rows[n][key] for n in sizes], "o-",
+                      label=label)
+        saved[name(run)] = dict(loss=args.loss, batch_sizes=rows,
+                                bin_edges=edges.sigmoid().tolist())
+    for ax in axes[-2:]:
+        ax.set(xscale="log", xlabel="batch size N")
+        ax.set_xticks(sizes, [str(n) for n in sizes])
+    return fig, saved
+
+
+# ------------ DT Fig. 3
+@torch.no_grad()
+def entropy_by_dictionary(run, anchors=256):
+    """The run's options, dictionary sizes K and {tau_beta:
+    H(r_+) / log A at each K} of A anchors, by the script's
+    dual_temperature_loss and anchor_weight_stats."""
+    script, args, state, (x1, x2) = rebuild(run, 2048)
+    query = network(script.Encoder, args, state["model"])
+    # SimCo has no key encoder: its one encoder makes the keys.
+    key = network(script.Encoder, args,
+                  state.get("key_encoder", state["model"]))
+    a = min(anchors, len(x1) // 2)
+    # In float64: at a large K every W_i lies closer to 1 than
+    # float32 resolves.
+    q = query(x1[:a]).double()  # (A, D)
+    k = key(x2[:a]).double()  # (A, D) the positives
+    # Other images' keys only: no anchor meets its positive
+    # among the negatives.
+    keys = F.normalize(key(x2[a:]).double(), dim=1)
+    sizes = [2 ** i for i in range(17) if 2 ** i <= len(keys)]
+    entropy = {}
+    for tau in TAUS:
+        entropy[tau] = []
+        for size in sizes:
+            _, w = script.dual_temperature_loss(
+                q, k, args.tau_alpha, tau, keys[:size])
+            h = script.anchor_weight_stats(*w)[2]
+            # log A, the entropy of equal weights, is the most.
+            entropy[tau].append(h.item() / math.log(a))
+    return args, sizes, entropy
+
+
+def dt_figure(runs):
+    fig, axes = panels(len(runs), "DT Fig. 3")
+    saved = {}
+    for run, ax in zip(runs, axes):
+        args, sizes, entropy = entropy_by_dictionary(run)
+        for tau, row in entropy.items():
+            ax.plot(sizes, row, "o-", label=f"tau_beta = {tau}")
+        # A logit axis spreads the values close to 1.
+        ax.set(xscale="log", yscale="logit",
+               xlabel="dictionary size K",
+               ylabel="H(r_+) / log(anchors)",
+               title=f"{name(run)} (--method {args.method})")
+        saved[name(run)] = dict(dictionary_sizes=sizes,
+                                normalised_entropy=entropy)
+    return fig, saved
+
+
+# ------------ GSG Figs. 4, 5
+def gsg_figure(runs):
+    fig, axes = panels(3, "GSG Figs. 4, 5")
+    epochs_axis(axes[0], "Fig. 4: with predictor", "kNN top-1 (%)")
+    epochs_axis(axes[1], "Fig. 5: no predictor", "kNN top-1 (%)")
+    epochs_axis(axes[2], "Fig. 5: no predictor", "proj_std")
+    saved = {}
+    for run in runs:
+        alone = config(run)["args"]["no_predictor"]
+        shown = {"knn_top1": axes[0]}
+        # Without a predictor the run is Fig. 5's.
+        if alone:
+            shown = {"knn_top1": axes[1], "proj_std": axes[2]}
+        saved[name(run)] = {}
+        for key, ax in shown.items():
+            points = per_epoch(run, key)
+            ax.plot(*zip(*points), "o-", label=name(run))
+            saved[name(run)][key] = points
+    return fig, saved
+
+
+# ------------ training curves
+def curves_figure(runs):
+    keys = dict.fromkeys(key for run in runs
+                         for line in metrics(run) for key in line)
+    keys = [key for key in keys if key not in SKIP]
+    first = ("loss", "lr", "knn_top1")
+    keys.sort(key=lambda key: key not in first)
+    fig, axes = panels(len(keys), "training curves")
+    saved = {key: {} for key in keys}
+    for ax, key in zip(axes, keys):
+        epochs_axis(ax, key)
+        for run in runs:
+            points = per_epoch(run, key)
+            if points:
+                ax.plot(*zip(*points), "o-", label=name(run))
+                saved[key][name(run)] = points
+    return fig, saved
+
+
+FIGURES = {"dcl": dcl_figure, "dt": dt_figure,
+           "gsg": gsg_figure, "curves": curves_figure}
+
+
+# ------------ main
+def parse_args(argv):
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = parser.add_argument
+    a("figure", choices=list(FIGURES), help="what to draw")
+    a("runs", nargs="*", help="run folders to draw from")
+    a("--train", action="store_true",
+      help="first train the figure's runs (not curves)")
+    a("--runs-dir", default="runs/figures",
+      help="--train: its runs go to RUNS_DIR/FIGURE (%(default)s)")
+    a("--out", default="benchmarks/figures",
+      help="FIGURE.png and FIGURE.json go here (%(default)s)")
+    args = parser.parse_args(argv[:split])
+    args.given = argv[split + 1:]
+    if args.train and args.figure not in TRAIN:
+        parser.error("--train: dcl, dt or gsg, not curves")
+    if not (args.runs or args.train):
+        parser.error("give run folders, or --train")
+    return args
+
+
+def train(args):
+    """The figure's variants run by compare.py (each through its
+    script's real command line) -> their run folders."""
+    variants, options = TRAIN[args.figure]
+    folder = os.path.join(args.runs_dir, args.figure)
+    command = [sys.executable, os.path.join(HERE, "compare.py"),
+               "--out", folder, "--variants", *variants,
+               *QUICK, *options, "--", *args.given]
+    if subprocess.run(command).returncode:
+        sys.exit(f"a run failed: see its log.txt in {folder}")
+    return [os.path.join(folder, v) for v in variants]
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    runs = list(args.runs)
+    if args.train:
+        runs += train(args)
+    fig, saved = FIGURES[args.figure](runs)
+    save(fig, saved, args.out, args.figure)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""benchmarks/figures.py: each paper's figure drawn from small run folders made here (width 4,
+256 texture images, 1-2 epochs), its numbers those of the functions training uses: DCL Fig. 1
+(mean q_B rises with the batch size), DT Fig. 3 (the normalised entropy of r_+ rises with the
+dictionary size), GSG Figs. 4, 5 (a point per epoch per run), the training curves, and the one
+command that trains and draws."""
+import json
+import math
+import os
+import sys
+
+import pytest
+
+import moco_simmoco_simco
+import simclr_dcl
+from helpers import ROOT, run_script
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import figures  # noqa: E402
+
+TINY = ["--dataset", "textures", "--limit-train", "256", "--width", "4", "--batch-size", "32",
+        "--epochs", "1", "--proj-hidden", "32", "--proj-dim", "16", "--linear-epochs", "0",
+        "--eval-every", "1", "--device", "cpu", "--workers", "0"]
+RUNS = {"mocov2": ("moco_simmoco_simco.py", ["--method", "mocov2", "--queue-size", "64",
+                                             "--no-online-probe"]),
+        "simsiam-guided": ("simsiam_byol_gsg.py", ["--epochs", "2"]),
+        "simsiam-guided-no-predictor": ("simsiam_byol_gsg.py", ["--epochs", "2",
+                                                                "--no-predictor"])}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """`figures.py dcl --train` at TINY scale -> (its runs' folder, its figures' folder)."""
+    root = tmp_path_factory.mktemp("figure_train")
+    out = str(root / "figures")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")  # each run one thread, as run_script's
+        figures.main(["dcl", "--train", "--runs-dir", str(root), "--out", out, "--", *TINY])
+    return root / "dcl", out
+
+
+@pytest.fixture(scope="module")
+def runs(trained, tmp_path_factory):
+    """A run folder per RUNS entry, made by the script's real command line, and the InfoNCE run
+    that `--train` made."""
+    root = tmp_path_factory.mktemp("figure_runs")
+    folders = {"simclr-infonce": str(trained[0] / "simclr-infonce")}
+    for name, (script, options) in RUNS.items():
+        folders[name] = str(root / name)
+        done = run_script(script, TINY + options + ["--out", folders[name]])
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return folders
+
+
+def spy(monkeypatch, module, function):
+    """Replace module.function by itself, recording each result -> the list of results."""
+    results, real = [], getattr(module, function)
+
+    def recorded(*args):
+        results.append(real(*args))
+        return results[-1]
+    monkeypatch.setattr(module, function, recorded)
+    return results
+
+
+def metrics(run):
+    return [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+
+
+def test_dcl_fig1_mean_npc_multiplier_rises_with_the_batch_size(runs, tmp_path, monkeypatch):
+    """q_B = 1 - exp(pos) / (exp(pos) + U) (DCL Eq. 8) of the run's model on its own views, in
+    batches of N = 32 ... 256 (all its images): <q_B> rises with N (DCL Fig. 1a); each batch's
+    q_B is simclr_dcl.npc_multiplier's, 2N anchors a batch."""
+    calls = spy(monkeypatch, simclr_dcl, "npc_multiplier")
+    figures.main(["dcl", runs["simclr-infonce"], "--out", str(tmp_path)])
+    saved = json.load(open(tmp_path / "dcl.json"))["simclr-infonce"]
+    assert saved["loss"] == "infonce" and os.path.getsize(tmp_path / "dcl.png") > 10_000
+    rows = saved["batch_sizes"]
+    assert list(rows) == ["32", "64", "128", "256"]
+    assert [len(q) for q in calls] == [64] * 8 + [128] * 4 + [256] * 2 + [512]
+    means = [rows[size]["mean"] for size in rows]
+    assert means == sorted(means) and means[0] < means[-1]
+    first = 0
+    for size, count in zip(rows, (8, 4, 2, 1)):
+        q = [value for batch in calls[first:first + count] for value in batch.tolist()]
+        first += count
+        assert rows[size]["mean"] == pytest.approx(sum(q) / len(q), rel=1e-5)
+        assert sum(rows[size]["share"]) == pytest.approx(1)
+
+
+def test_dt_fig3_entropy_of_r_plus_rises_with_the_dictionary_size(runs, tmp_path, monkeypatch):
+    """H(r_+) / log A over A = 128 anchors against K = 1 ... 128 keys of the other images, at each
+    tau_beta: in (0, 1], rising with K at a fixed tau_beta (DT Fig. 3); each number is
+    anchor_weight_stats's entropy of dual_temperature_loss's weights."""
+    weights = spy(monkeypatch, moco_simmoco_simco, "dual_temperature_loss")
+    stats = spy(monkeypatch, moco_simmoco_simco, "anchor_weight_stats")
+    figures.main(["dt", runs["mocov2"], "--out", str(tmp_path)])
+    saved = json.load(open(tmp_path / "dt.json"))["mocov2"]
+    sizes = saved["dictionary_sizes"]
+    assert sizes == [1, 2, 4, 8, 16, 32, 64, 128]
+    entropy = saved["normalised_entropy"]
+    assert list(entropy) == [str(tau) for tau in figures.TAUS]
+    assert len(weights) == len(stats) == len(figures.TAUS) * len(sizes)
+    assert [len(w) for _, (w, _) in weights] == [128] * len(weights)
+    recomputed = [h.item() / math.log(128) for _, _, h in stats]
+    assert [h for row in entropy.values() for h in row] == pytest.approx(recomputed, rel=1e-12)
+    for row in entropy.values():
+        assert all(0 < h <= 1 for h in row)
+        assert row == sorted(row) and row[0] < row[-1]
+
+
+def test_gsg_figs4_5_one_point_per_epoch_per_run(runs, tmp_path):
+    """kNN top-1 per epoch with the predictor (GSG Fig. 4), kNN and proj_std per epoch without
+    it (Fig. 5): each run a line in its panels, a point per epoch, metrics.jsonl's numbers."""
+    guided, alone = runs["simsiam-guided"], runs["simsiam-guided-no-predictor"]
+    fig, saved = figures.gsg_figure([guided, alone])
+    assert [len(ax.lines) for ax in fig.axes] == [1, 1, 1]
+    assert [list(ax.lines[0].get_xdata()) for ax in fig.axes] == [[1, 2]] * 3
+    for run, panels in ((guided, ["knn_top1"]), (alone, ["knn_top1", "proj_std"])):
+        lines = saved[os.path.basename(run)]
+        assert list(lines) == panels
+        for key in panels:
+            assert lines[key] == [[line["epoch"], line[key]] for line in metrics(run)]
+    figures.main(["gsg", guided, alone, "--out", str(tmp_path)])
+    assert json.load(open(tmp_path / "gsg.json")) == json.loads(json.dumps(saved))
+
+
+def test_training_curves_of_runs_side_by_side(runs, tmp_path):
+    """A panel per number of metrics.jsonl (loss, lr, kNN, each method's diagnostics), a line
+    per run that logs it, a point per epoch."""
+    figures.main(["curves", *runs.values(), "--out", str(tmp_path)])
+    saved = json.load(open(tmp_path / "curves.json"))
+    assert {"loss", "lr", "knn_top1", "npc_mean", "npc_cv", "w_alpha", "w_beta",
+            "r_plus_entropy", "proj_std"} <= saved.keys()
+    assert not saved.keys() & figures.SKIP
+    assert set(saved["loss"]) == set(runs) and set(saved["npc_mean"]) == {"simclr-infonce"}
+    for name, run in runs.items():
+        assert saved["loss"][name] == [[line["epoch"], line["loss"]] for line in metrics(run)]
+    assert os.path.getsize(tmp_path / "curves.png") > 10_000
+
+
+def test_one_command_trains_and_draws(trained):
+    """`figures.py dcl --train`: compare.py runs the InfoNCE and DCL variants (and the untrained
+    row) into RUNS_DIR/dcl by the scripts' real command lines, the options after `--` last; then
+    the figure is drawn from both."""
+    folder, out = trained
+    saved = json.load(open(os.path.join(out, "dcl.json")))
+    assert {name: line["loss"] for name, line in saved.items()} == {
+        "simclr-infonce": "infonce", "simclr-dcl": "dcl"}
+    for name in saved:
+        config = json.load(open(folder / name / "config.json"))
+        assert config["argv"][-len(TINY) - 2:-2] == TINY
+        assert len(metrics(folder / name)) == 1
+    with pytest.raises(SystemExit):
+        figures.parse_args(["curves", "--train"])
+
+
+def test_train_recipe_is_the_readme_quick_start():
+    """--train's runs take the README's quick start (T), with kNN each epoch and no linear
+    probe, so the figures show the runs the README's numbers come from."""
+    from test_readme import readme, section
+    lines = section(readme(), "## Quick start").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("T="))
+    t = " ".join(lines[start:start + 2]).split('"')[1].replace("\\", "").split()
+    assert figures.QUICK == t + ["--eval-every", "1", "--linear-epochs", "0"]
