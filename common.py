@@ -942,7 +942,7 @@ def run(main):
                       file=sys.stderr)
             sys.exit(130)
         # From a DataLoader worker, the message is its traceback.
-        message = str(error).strip().splitlines()[-1].split("UserError: ")[-1]
+        message = str(error).strip().split("\n")[-1].split("UserError: ")[-1]
         if isinstance(error, RuntimeError):  # gloo's words, or NCCL's
             peer = re.search(r"Connection \w+ by peer", str(error))
             if not (peer or isinstance(error, dist.DistError)):
