@@ -12,9 +12,10 @@ Part 1, what the methods build on (read it beside a method file):
   optimisers: learning_rate, LARS, pretraining_optimizer
 Part 2, plumbing that changes nothing a method computes:
   errors and command line: UserError, run, add_common_args,
-    parse_args, setup
+    parse_args (continues), setup
   epoch log and run folder: EpochMeter, log_epoch, hold_run_folder,
-    write_atomic, start_run, save_checkpoint, load_checkpoint, finish
+    write_atomic, start_run, save_checkpoint, Start, load_checkpoint,
+    checkpoint_due, stop_if_signalled, finish
   data: load_data, texture_images, torchvision_split, image_folder,
     ImageFiles
 """
@@ -466,11 +467,10 @@ def epoch_generators(seed, epoch, device):
 
 
 def train_batches(data, batch_size, generator, ctx, workers=0, start=0):
-    """One epoch's (images, labels) on the device from step `start`:
-    uint8 (b, 3, S, S), or (b, crops, 3, S, S) when streamed; rank
-    r's rows [r*b, (r+1)*b) of each batch, in `generator`'s order
-    (CPU, alike), drawn at the call: a resumed epoch skips its first
-    steps unread."""
+    """One epoch's (images, labels) on the device, from step `start`:
+    uint8 (b, 3, S, S), or (b, crops, 3, S, S) streamed; rank r's rows
+    [r*b, (r+1)*b) of each batch in `generator`'s order (CPU, alike),
+    drawn at the call: a resumed epoch's first steps are not read."""
     b = batch_size // ctx.world
     steps = len(data) // batch_size
     perm = torch.randperm(len(data), generator=generator)[:steps * batch_size]
@@ -918,10 +918,11 @@ class UserError(Exception):
     """A problem the user can fix: one line, exit status 2, no traceback."""
 
 
-# This run's folder, command line, script, epoch lines; a signal to
-# stop (and the agreed one), its last save, the flag's gloo group.
+# This run's folder, command line, script, epoch lines, how it goes
+# on; a signal to stop (the agreed one), its last save, their group.
 RUN = {"out": None, "argv": None, "script": None, "metrics": [],
-       "signal": 0, "stop": 0, "saved": 0.0, "group": None}
+       "how": "--resume", "signal": 0, "stop": 0, "saved": 0.0,
+       "group": None}
 
 
 def run(main):
@@ -1038,7 +1039,8 @@ def add_common_args(parser):
       help="LARS: lr <= the schedule's (solo-learn's)")
     a("--crop-scale", type=float, nargs=2, metavar=("MIN", "MAX"),
       help="random crop's area range")
-    a("--out", help="run folder (default runs/<script>-<time>-<process id>)")
+    a("--out", help="run folder (default runs/<script>-<time>-<pid>); "
+      "the same command again continues its run")
     a("--resume", metavar="RUN",
       help="continue RUN bit-for-bit, or evaluate a finished RUN again")
     a("--stop-after", type=positive_int,

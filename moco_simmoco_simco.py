@@ -367,10 +367,9 @@ def main(argv=None):
 
     # shared: the probes, resume, the run folder, augmentation
     for probe in probes.values():
-        # A probe learns from the features its backbone makes
-        # in train_step: a forward hook hands them to it.
+        # A hook hands it the features train_step makes.
         probe.backbone.register_forward_hook(probe.keep)
-    start = common.Start()  # epoch 0, step 0
+    start = common.Start()  # a new run's: epoch 0, step 0
     if args.resume:
         start = common.load_checkpoint(ctx, states)
     common.start_run(args, ctx, data, backbone)
