@@ -369,7 +369,7 @@ def main(argv=None):
     for probe in probes.values():
         # A hook hands it the features train_step makes.
         probe.backbone.register_forward_hook(probe.keep)
-    start = common.Start()  # a new run's: epoch 0, step 0
+    start = common.Start()  # epoch 0, step 0
     if args.resume:
         start = common.load_checkpoint(ctx, states)
     common.start_run(args, ctx, data, backbone)
