@@ -12,9 +12,10 @@ Part 1, what the methods build on (read it beside a method file):
   optimisers: learning_rate, LARS, pretraining_optimizer
 Part 2, plumbing that changes nothing a method computes:
   errors and command line: UserError, run, add_common_args,
-    parse_args, setup
+    parse_args (continues), setup
   epoch log and run folder: EpochMeter, log_epoch, hold_run_folder,
-    write_atomic, start_run, save_checkpoint, load_checkpoint, finish
+    write_atomic, start_run, save_checkpoint, Start, load_checkpoint,
+    checkpoint_due, stop_if_signalled, finish
   data: load_data, texture_images, torchvision_split, image_folder,
     ImageFiles
 """
@@ -26,6 +27,8 @@ import json
 import math
 import os
 import re
+import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -463,30 +466,29 @@ def epoch_generators(seed, epoch, device):
     return order, views
 
 
-def train_batches(data, batch_size, generator, ctx, workers=0):
-    """One epoch's (images, labels) on the device: uint8 (b, 3, S, S),
-    or (b, crops, 3, S, S) when streamed; rank r's rows
-    [r*b, (r+1)*b) of each batch, in `generator`'s order (CPU,
-    alike)."""
+def train_batches(data, batch_size, generator, ctx, workers=0, start=0):
+    """One epoch's (images, labels) on the device, from step `start`:
+    uint8 (b, 3, S, S), or (b, crops, 3, S, S) streamed; rank r's rows
+    [r*b, (r+1)*b) of each batch in `generator`'s order (CPU, alike),
+    drawn at the call: a resumed epoch's first steps are not read."""
     b = batch_size // ctx.world
     steps = len(data) // batch_size
     perm = torch.randperm(len(data), generator=generator)[:steps * batch_size]
-    # this rank's rows of every batch
-    mine = perm.view(steps, ctx.world, b)[:, ctx.rank].flatten()
+    # this rank's rows of every batch from `start` on: (steps - start, b)
+    mine = perm.view(steps, ctx.world, b)[start:, ctx.rank]
     if not data.streaming:
-        # no batch at all when steps is 0
-        for rows in mine.to(ctx.device).view(steps, b):
-            yield data.train[rows], data.train_labels[rows]
-        return
+        mine = mine.to(ctx.device)
+        return ((data.train[rows], data.train_labels[rows]) for rows in mine)
     # this epoch's crops
     data.train.seed = int(torch.randint(2 ** 62, (1,), generator=generator))
-    subset = torch.utils.data.Subset(data.train, mine.tolist())
+    subset = torch.utils.data.Subset(data.train, mine.flatten().tolist())
     loader = torch.utils.data.DataLoader(
         subset, b, num_workers=workers,
         pin_memory=ctx.device.type == "cuda")
-    for views, labels in loader:  # pinned: copies without a wait
-        yield (views.to(ctx.device, non_blocking=True),
-               labels.to(ctx.device, non_blocking=True))
+    # pinned: copies without a wait
+    return ((views.to(ctx.device, non_blocking=True),
+             labels.to(ctx.device, non_blocking=True))
+            for views, labels in loader)
 
 
 # ----------------------------------------------------------------- evaluation
@@ -916,16 +918,23 @@ class UserError(Exception):
     """A problem the user can fix: one line, exit status 2, no traceback."""
 
 
-RUN = {"out": None, "argv": None, "script": None, "metrics": []}  # this run
+# This run's folder, command line, script, epoch lines, how it goes
+# on; a signal to stop (the agreed one), its last save, their group.
+RUN = {"out": None, "argv": None, "script": None, "metrics": [],
+       "how": "--resume", "signal": 0, "stop": 0, "saved": 0.0,
+       "group": None}
 
 
 def run(main):
-    """main(); a UserError or OSError: one `error:` line, exit 2;
+    """main(); SIGTERM, SIGUSR1: a stop at a checkpoint_due; a
+    UserError, OSError or lost process: one `error:` line, exit 2;
     Ctrl-C: a --resume line, exit 130."""
     rank = int(os.environ.get("RANK", 0))  # before any process group
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, lambda n, frame: RUN.update(signal=n))
     try:
         main()
-    except (UserError, OSError, KeyboardInterrupt) as error:
+    except (UserError, OSError, KeyboardInterrupt, RuntimeError) as error:
         for bar in list(tqdm._instances):  # an interrupted epoch's bar
             bar.close()
         if isinstance(error, KeyboardInterrupt):
@@ -933,12 +942,20 @@ def run(main):
                 print(f"interrupted; continue with --resume {RUN['out']}",
                       file=sys.stderr)
             sys.exit(130)
-        if rank != 0:
-            # Rank 0 speaks for all and torchrun stops the rest; a rank
-            # alone in its error speaks after the wait.
-            time.sleep(10)
         # From a DataLoader worker, the message is its traceback.
-        message = str(error).strip().splitlines()[-1].split("UserError: ")[-1]
+        message = str(error).strip().split("\n")[-1].split("UserError: ")[-1]
+        if isinstance(error, RuntimeError):  # gloo's words, or NCCL's
+            peer = re.search(r"Connection \w+ by peer", str(error))
+            if not (peer or isinstance(error, dist.DistError)):
+                raise
+            why = peer[0] if peer else type(error).__name__
+            message = (f"another process of this run stopped ({why}); "
+                       f"the last checkpoint is kept: {AGAIN}")
+        if rank != 0:
+            # Rank 0 speaks for all and torchrun stops the rest (its
+            # SIGTERM ends the wait); a rank alone speaks after it.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(10)
         where = f" (rank {rank})" if rank else ""
         print(f"error{where}: {message}", file=sys.stderr)
         sys.exit(2)
@@ -1022,11 +1039,15 @@ def add_common_args(parser):
       help="LARS: lr <= the schedule's (solo-learn's)")
     a("--crop-scale", type=float, nargs=2, metavar=("MIN", "MAX"),
       help="random crop's area range")
-    a("--out", help="run folder (default runs/<script>-<time>-<process id>)")
+    a("--out", help="run folder (default runs/<script>-<time>-<pid>); "
+      "the same command again continues its run")
     a("--resume", metavar="RUN",
       help="continue RUN bit-for-bit, or evaluate a finished RUN again")
     a("--stop-after", type=positive_int,
       help="end after that many epochs in all (then --resume)")
+    a("--checkpoint-minutes", type=non_negative_float, default=30,
+      metavar="M", help="and one every M minutes (0: none); each resets "
+      "the clock: CIFAR's seconds-long epochs never reach it")
     a("--eval-every", type=positive_int, default=10,
       help="kNN monitor every N epochs (and last)")
     a("--knn-k", type=positive_int, default=200,
@@ -1058,12 +1079,13 @@ def add_common_args(parser):
 # What --resume may change; the rest comes from the recorded line.
 RESUMABLE = set("resume device data_dir workers stop_after eval_every "
                 "compile amp knn_k knn_t linear_protocol linear_epochs "
-                "linear_lr linear_batch".split())
+                "linear_lr linear_batch checkpoint_minutes".split())
 
 
 def parse_args(parser, argv, script):
-    """A new run's options (--out: a fresh folder); --resume RUN: its
-    recorded command line, then this one (RESUMABLE options only)."""
+    """A new run's options; --resume RUN, or the command that made the
+    run in --out: the recorded command line, then this one (RESUMABLE
+    options only)."""
     # Checked even if the command line gives one: the file is at fault.
     unset = [k for k in METHOD_DEFAULTS if parser.get_default(k) is None]
     if unset:
@@ -1072,31 +1094,27 @@ def parse_args(parser, argv, script):
             f"each in its parser.set_defaults(...)")
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parse(parser, argv)
-    RUN["script"] = script
-    if args.resume is None:
+    RUN.update(script=script, how="--resume")
+    folder = args.resume  # or RUN/checkpoint.pt
+    if folder is None:
         # The process id keeps apart runs started in one second.
         name = f"{script}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         args.out = args.out or os.path.join("runs", name)
         RUN.update(out=args.out, argv=argv, metrics=[])
-        return args
-    folder = args.resume  # or RUN/checkpoint.pt
+        if not continues(args.out, argv, script):
+            return args
+        # A scheduler's requeue: as --resume OUT.
+        folder = args.out
+        argv = ["--resume", folder]
+        RUN["how"] = "the same command"
     if folder.endswith(".pt"):
         folder = os.path.dirname(folder)
     path = os.path.join(folder, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-        if config["script"] != script:
-            raise UserError(
-                f"--resume {folder}: that run was made by "
-                f"{config['script']}.py, not {script}.py; start a new --out")
-        recorded = [str(a) for a in config["argv"]]
-        saved = dict(config["args"])
-    except (OSError, ValueError, TypeError, KeyError):
-        # ValueError: not JSON, or not UTF-8; the others: not a config.
+    made_by, recorded, saved = read_config(folder)
+    if made_by != script:
         raise UserError(
-            f"--resume {folder}: no readable config.json with its command "
-            f"line there; give a run folder of this project") from None
+            f"--resume {folder}: that run was made by {made_by}.py, "
+            f"not {script}.py; start a new --out")
     then = vars(parse(parser, recorded, path))
     args = parse(parser, recorded + argv, path)
     for key, value in vars(args).items():
@@ -1118,6 +1136,43 @@ def parse_args(parser, argv, script):
             f"{json.dumps(value)}; start a new --out")
     args.out = RUN["out"] = folder
     return args
+
+
+def read_config(folder):
+    """folder/config.json -> its script, command line, arguments."""
+    try:
+        path = os.path.join(folder, "config.json")
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+        argv = [str(a) for a in config["argv"]]
+        return config["script"], argv, dict(config["args"])
+    except (OSError, ValueError, TypeError, KeyError):
+        # ValueError: not JSON, or not UTF-8; the others: not a config.
+        raise UserError(
+            f"{folder}: no readable config.json with its command line "
+            f"there; give a run folder of this project") from None
+
+
+def continues(out, argv, script):
+    """Whether a new run continues the one in `out`: its command's,
+    checkpointed (not yet: it starts again); another's is refused."""
+    held = os.listdir(out) if os.path.isdir(out) else []
+    if "config.json" not in held:
+        return False
+    made_by, recorded, _ = read_config(out)
+    ours = shlex.join([f"{script}.py", *argv])
+    theirs = shlex.join([f"{made_by}.py", *recorded])
+    if ours != theirs:
+        raise UserError(
+            f"--out {out} holds the run of `{theirs}`, not `{ours}`: run "
+            f"that command again to continue it (or --resume {out}), or "
+            f"choose another --out")
+    if "results.json" in held:  # a requeue of it succeeds at once
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"{out} is finished (results.json); --resume {out} "
+                  f"evaluates it again", file=sys.stderr)
+        sys.exit(0)
+    return "checkpoint.pt" in held
 
 
 def parse(parser, argv, path=None):
@@ -1163,6 +1218,8 @@ def setup(args):
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo",
                                 device_id=device if cuda else None)
+        # checkpoint_due's flag, a CPU tensor: gloo beside NCCL
+        RUN["group"] = dist.new_group(backend="gloo") if cuda else None
     amp = cuda and args.amp  # unset: where the GPU has native bf16
     if cuda and args.amp is None:
         amp = torch.cuda.is_bf16_supported(including_emulation=False)
@@ -1175,6 +1232,7 @@ class EpochMeter:
 
     def __init__(self, ctx, epoch, epochs, steps, images_per_step):
         self.world = ctx.world
+        self.device = ctx.device
         self.epoch = epoch
         self.images_per_step = images_per_step
         self.every = min(20, max(1, steps // 20))
@@ -1198,6 +1256,19 @@ class EpochMeter:
         self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.4g}", img_s=f"{rate:.0f}")
         self.bar.update(self.every)
         self.last = now
+
+    def state_dict(self):  # every rank's sums: a collective
+        sums = {k: gather(v.view(1)) for k, v in self.sums.items()}
+        return dict(steps=self.steps, lr=self.lr, sums=sums)
+
+    def load_state_dict(self, state):
+        self.steps = state["steps"]
+        self.lr = state["lr"]
+        self.bar.update(self.steps)
+        for name, sums in state["sums"].items():
+            # Mine (on fewer processes than saved them: theirs too).
+            mine = sums[rank()::self.world].sum()
+            self.sums[name] = mine.to(self.device)
 
     def summary(self):
         self.bar.close()
@@ -1302,16 +1373,12 @@ def start_run(args, ctx, data, backbone):
         ctx.print(f"warning: --epochs {args.epochs} is not more than "
                   f"--warmup-epochs {args.warmup_epochs}: the learning "
                   f"rate never reaches its peak", sys.stderr)
+    RUN["saved"] = time.monotonic()  # checkpoint_due's clock
     if ctx.rank != 0 or args.resume:
         return
     os.makedirs(ctx.out, exist_ok=True)
-    # No other run can begin here now; one stopped in epoch 1 restarts.
+    # No other run can begin here now (continues() let this one).
     hold_run_folder(ctx.out)
-    for name in ("checkpoint.pt", "results.json"):
-        if os.path.exists(os.path.join(ctx.out, name)):
-            raise UserError(
-                f"--out {ctx.out} already holds a run: continue it with "
-                f"--resume {ctx.out}, or choose another --out")
     # An --epochs 0 run's stays empty.
     write_atomic(os.path.join(ctx.out, "metrics.jsonl"), b"")
     here = os.path.dirname(os.path.abspath(__file__))
@@ -1325,18 +1392,47 @@ def start_run(args, ctx, data, backbone):
                  json.dumps(config, indent=2).encode())
 
 
-def save_checkpoint(ctx, epoch, states):
-    """checkpoint.pt: the epochs done, metrics' lines, state_dicts."""
+def save_checkpoint(ctx, epoch, states, step=0, meter=None, generators=()):
+    """checkpoint.pt: the epochs done, metrics' lines, state_dicts;
+    `step` steps into the next, also its meter's sums and generators'
+    states, for the next step to draw as if never stopped."""
+    RUN["saved"] = time.monotonic()
+    mid_epoch = {}
+    if step:
+        mid_epoch = dict(step=step, meter=meter.state_dict(),
+                         generators=[g.get_state() for g in generators])
     if ctx.rank != 0:
         return
     saved = {name: state.state_dict() for name, state in states.items()
              if state is not None}  # None: a part this model lacks
-    checkpoint = {"epoch": epoch, "metrics": RUN["metrics"], **saved}
+    checkpoint = {"epoch": epoch, "metrics": RUN["metrics"],
+                  **mid_epoch, **saved}
     write_atomic(os.path.join(ctx.out, "checkpoint.pt"), checkpoint)
 
 
+@dataclass
+class Start:
+    """Where training starts: `step` steps into `epoch`; from a
+    mid-epoch checkpoint, also its generators' and meter's states."""
+    epoch: int = 0
+    step: int = 0
+    generators: list = None
+    meter: dict = None
+
+    def step_in(self, epoch):
+        return self.step if epoch == self.epoch else 0
+
+    def restore(self, epoch, meter, *generators):
+        """After train_batches drew the epoch's order: the step's
+        draws (GSG's pairings replay) and the meter's sums."""
+        if self.step_in(epoch):
+            for generator, state in zip(generators, self.generators):
+                generator.set_state(state)
+            meter.load_state_dict(self.meter)
+
+
 def load_checkpoint(ctx, states):
-    """Take the run folder (its lock), load checkpoint.pt -> epochs."""
+    """Take the run folder (its lock), load checkpoint.pt -> Start."""
     if ctx.rank == 0:
         hold_run_folder(ctx.out)
     path = os.path.join(ctx.out, "checkpoint.pt")
@@ -1344,7 +1440,7 @@ def load_checkpoint(ctx, states):
     try:
         # Missing (epoch 1 never ended), truncated, not a dict, ...
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-        saved = checkpoint.keys() - {"epoch", "metrics"}
+        saved = checkpoint.keys() - {"epoch", "metrics", *MID_EPOCH}
         missing = ", ".join(sorted(states.keys() - saved)) or "none"
         left_over = ", ".join(sorted(saved - states.keys())) or "none"
         if saved != states.keys():  # named: not a KeyError, nor unsaid
@@ -1353,7 +1449,8 @@ def load_checkpoint(ctx, states):
                 f"{missing}; left over: {left_over}); start a new --out")
         for name, state in states.items():
             state.load_state_dict(checkpoint[name])
-        epoch = int(checkpoint["epoch"])
+        start = Start(int(checkpoint["epoch"]), checkpoint.get("step", 0),
+                      checkpoint.get("generators"), checkpoint.get("meter"))
         RUN["metrics"] = checkpoint["metrics"]
     except UserError:
         raise
@@ -1362,8 +1459,39 @@ def load_checkpoint(ctx, states):
         raise UserError(
             f"{path} does not fit this run or is unreadable "
             f"({type(error).__name__}: {why}); start a new --out") from None
-    ctx.print(f"resumed {ctx.out} at epoch {epoch}")
-    return epoch
+    ctx.print(f"continuing {ctx.out} from epoch {start.epoch + 1} step "
+              f"{start.step} ({RUN['how']})")
+    return start
+
+
+MID_EPOCH = ("step", "generators", "meter")  # a mid-epoch checkpoint's
+AGAIN = "run the same command again to continue"
+
+
+def checkpoint_due(ctx, args):
+    """Is a checkpoint due after this step? At a SIGTERM or SIGUSR1 on
+    any rank (RUN["stop"]), or --checkpoint-minutes on rank 0's clock;
+    all agree by a gloo all_reduce of a CPU int (no GPU sync)."""
+    due = RUN["signal"]
+    minutes = (time.monotonic() - RUN["saved"]) / 60
+    if ctx.rank == 0 and 0 < args.checkpoint_minutes <= minutes:
+        due = max(due, 1)  # below every signal's number
+    if ctx.world > 1:
+        due = torch.tensor(due)
+        dist.all_reduce(due, dist.ReduceOp.MAX, group=RUN["group"])
+        due = int(due)
+    RUN["stop"] = due if due > 1 else 0
+    return due > 0
+
+
+def stop_if_signalled(ctx, epoch, step, steps):
+    """After checkpoint_due's checkpoint, a signal's: the run ends
+    with exit status 75 (EX_TEMPFAIL, "try again")."""
+    if RUN["stop"]:
+        name = signal.Signals(RUN["stop"]).name
+        ctx.print(f"preempted ({name}) in epoch {epoch + 1} at step {step} "
+                  f"of {steps}: checkpoint.pt written; {AGAIN}", sys.stderr)
+        sys.exit(75)
 
 
 def finish(ctx, backbone, results):

@@ -368,26 +368,28 @@ def main(argv=None):
 
     # shared: the probes, resume, the run folder, augmentation
     for probe in probes.values():
-        # A probe learns from the features its backbone makes
-        # in train_step: a forward hook hands them to it.
+        # A hook hands it the features train_step makes.
         probe.backbone.register_forward_hook(probe.keep)
-    start_epoch = 0
+    start = common.Start()  # epoch 0, step 0
     if args.resume:
-        start_epoch = common.load_checkpoint(ctx, states)
+        start = common.load_checkpoint(ctx, states)
     common.start_run(args, ctx, data, backbone)
     augment = common.Augment(recipes(args), data.image_size,
                              data.mean, data.std, ctx)
     steps = len(data) // args.batch_size
 
-    for epoch in range(start_epoch, args.epochs):
-        # shared: this epoch's order and draws, its progress bar
+    for epoch in range(start.epoch, args.epochs):
+        # shared: this epoch's order and draws, its progress bar,
+        # from the step a mid-epoch checkpoint reached
         order, generator = common.epoch_generators(
             args.seed, epoch, ctx.device)
         meter = common.EpochMeter(ctx, epoch, args.epochs,
                                   steps, args.batch_size)
-        batches = common.train_batches(
-            data, args.batch_size, order, ctx, args.workers)
-        for step, (images, labels) in enumerate(batches):
+        first_step = start.step_in(epoch)
+        batches = common.train_batches(data, args.batch_size, order,
+                                       ctx, args.workers, first_step)
+        start.restore(epoch, meter, order, generator)
+        for step, (images, labels) in enumerate(batches, first_step):
             # own: the schedule, the augmented views, the step
             lr = common.learning_rate(
                 epoch * steps + step, args.epochs * steps,
@@ -406,6 +408,13 @@ def main(argv=None):
             # and how unequal they are (DT Eq. 4, Fig. 3)
             meter.update(lr, loss=loss, w_alpha=w_alpha,
                          w_beta=w_beta, r_plus_entropy=entropy)
+
+            # shared: SIGTERM, SIGUSR1 (which end the run) or
+            # --checkpoint-minutes: a checkpoint after this step
+            if common.checkpoint_due(ctx, args):
+                common.save_checkpoint(ctx, epoch, states, step + 1,
+                                       meter, (order, generator))
+                common.stop_if_signalled(ctx, epoch, step + 1, steps)
 
         # shared: the epoch's means, checked
         record = meter.summary()

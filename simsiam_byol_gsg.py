@@ -353,26 +353,28 @@ def main(argv=None):
 
     # shared: the probes, resume, the run folder, augmentation
     for probe in probes.values():
-        # A probe learns from the features its backbone makes
-        # in train_step: a forward hook hands them to it.
+        # A hook hands it the features train_step makes.
         probe.backbone.register_forward_hook(probe.keep)
-    start_epoch = 0
+    start = common.Start()  # epoch 0, step 0
     if args.resume:
-        start_epoch = common.load_checkpoint(ctx, states)
+        start = common.load_checkpoint(ctx, states)
     common.start_run(args, ctx, data, backbone)
     augment = common.Augment(recipes(args), data.image_size,
                              data.mean, data.std, ctx)
     steps = len(data) // args.batch_size
 
-    for epoch in range(start_epoch, args.epochs):
-        # shared: this epoch's order and draws, its progress bar
+    for epoch in range(start.epoch, args.epochs):
+        # shared: this epoch's order and draws, its progress bar,
+        # from the step a mid-epoch checkpoint reached
         order, generator = common.epoch_generators(
             args.seed, epoch, ctx.device)
         meter = common.EpochMeter(ctx, epoch, args.epochs,
                                   steps, args.batch_size)
-        batches = common.train_batches(
-            data, args.batch_size, order, ctx, args.workers)
-        for step, (images, labels) in enumerate(batches):
+        first_step = start.step_in(epoch)
+        batches = common.train_batches(data, args.batch_size, order,
+                                       ctx, args.workers, first_step)
+        start.restore(epoch, meter, order, generator)
+        for step, (images, labels) in enumerate(batches, first_step):
             # own: the schedules, the views, GSG's pairs, the step
             global_step = epoch * steps + step
             total_steps = args.epochs * steps
@@ -404,13 +406,22 @@ def main(argv=None):
                     scalars[f"case_{name}"] = counts[c]
             meter.update(lr, **scalars)
 
+            # shared: SIGTERM, SIGUSR1 (which end the run) or
+            # --checkpoint-minutes: a checkpoint after this step
+            if common.checkpoint_due(ctx, args):
+                common.save_checkpoint(ctx, epoch, states, step + 1,
+                                       meter, (order, generator))
+                common.stop_if_signalled(ctx, epoch, step + 1, steps)
+
         # shared: the epoch's means, checked
         record = meter.summary()
         common.check_finite(record)
 
-        # own: BYOL's tau at the epoch's end
+        # own: BYOL's tau at the epoch's last step
         if target is not None:
-            record["ema"] = tau
+            record["ema"] = ema_momentum(
+                (epoch + 1) * steps - 1, args.epochs * steps, args.ema,
+                args.ema_schedule)
 
         # shared: the kNN monitor, the log, the checkpoint
         done = epoch + 1

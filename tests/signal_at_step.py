@@ -1,0 +1,24 @@
+"""`signal_at_step.py SCRIPT RANK CALL SIGNAL ARG...`: SCRIPT's main(ARGs) as its __main__ runs it
+(common.run), which sends SIGNAL (TERM, USR1, KILL) to its own process when rank RANK enters
+train_step for the CALL-th time (from 1), as a scheduler or a lost node would; under torchrun too.
+The run's command line is the ARGs: run again as `SCRIPT.py ARG...`, it is the same command."""
+import importlib
+import os
+import signal
+import sys
+
+import common
+
+if __name__ == "__main__":
+    script, rank, call, name, *argv = sys.argv[1:]
+    module = importlib.import_module(script)
+    real, calls = module.train_step, []
+
+    def train_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == int(call) and common.rank() == int(rank):
+            os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
+        return real(*args, **kwargs)
+
+    module.train_step = train_step
+    common.run(lambda: module.main(argv))
