@@ -264,7 +264,9 @@ def method_row(name, preset, data, ctx):
 
 
 # ------------------------------------------------------------------------------ what the host dispatches
-DISPATCH_BATCH, DISPATCH_IMAGE = 2, 4  # a step of two 4 px images: dispatch is all that costs
+# a step of two 4 px images: dispatch is all that costs
+DISPATCH_BATCH = 2
+DISPATCH_IMAGE = 4
 
 
 class OpCounter(TorchDispatchMode):
@@ -422,7 +424,8 @@ def main(argv=None):
                       "bare step ms"]), "|" + "---|" * 9)
     for name in o.methods:
         r = dispatch_row(name, preset, ctx)
-        ops, ms = r["ops"], r["ms"]
+        ops = r["ops"]
+        ms = r["ms"]
         say(markdown_row([name, r["views"], f"{ops['augment']} ({ops['augment'] / r['views']:.0f})",
                           ops["step"] - ops["bare"], ops["bare"],
                           f"{(ops['augment'] + ops['step']) / ops['bare']:.2f}",
