@@ -426,8 +426,8 @@ def main(argv=None):
         r = dispatch_row(name, preset, ctx)
         ops = r["ops"]
         ms = r["ms"]
-        say(markdown_row([name, r["views"], f"{ops['augment']} ({ops['augment'] / r['views']:.0f})",
-                          ops["step"] - ops["bare"], ops["bare"],
+        say(markdown_row([name, r["views"], f"{ops['augment']:,} ({ops['augment'] / r['views']:.0f})",
+                          number(ops["step"] - ops["bare"]), number(ops["bare"]),
                           f"{(ops['augment'] + ops['step']) / ops['bare']:.2f}",
                           f"{ms['augment']:.2f}", f"{ms['step']:.2f}", f"{ms['bare']:.2f}"]))
     ours, pil, workers = augmentation_rates(preset, ctx)
