@@ -258,7 +258,7 @@ class ResNet(nn.Module):
 
 
 # --------------------------------------------------------------- augmentation
-# frozen: a value, so views can be grouped by their recipes
+# Frozen, so hashable: Augment groups views by their recipes.
 @dataclass(frozen=True)
 class Recipe:  # one view's augmentation
     crop_scale: tuple = (0.08, 1.0)
@@ -283,9 +283,9 @@ class Augment:
     """A Recipe per view on the device, parameters per sample
     (transforms.v2: one set per batch), drawn for the global batch
     alike on every rank, each keeping its rows: N processes as one.
-    Each op a GPU runs is a kernel launch: so a step draws once,
-    and views whose recipes differ only in their probabilities go
-    through the ops as one batch."""
+    A GPU launches a kernel per op, so a step draws once, and views
+    whose recipes differ only in their probabilities go through the
+    ops as one batch."""
 
     def __init__(self, recipes, size, mean, std, ctx):
         self.recipes = recipes
@@ -326,7 +326,7 @@ class Augment:
         """Views `views` of x as one batch, view after view: r their
         recipe (probabilities 0), p (V, 1, 5) their coins' p."""
         crop = x.dim() == 4
-        if crop:
+        if crop:  # a copy of the images for each view
             x = x.repeat(len(views), 1, 1, 1)
         else:  # (b, V, 3, S, S) -> their crops
             x = x.transpose(0, 1).index_select(0, index).flatten(0, 1)
@@ -429,10 +429,12 @@ def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
     (B, 4) of the ops 0 brightness, 1 contrast, 2 saturation, 3 hue
     (order None: 0-3 for all; hue None: no hue), no host sync.
 
-    One hue pass for all images, between three blend slots and
-    three: an image's blend at position k of its order runs in
-    slot k if hue comes later, else in slot k - 1 after the hue
-    pass; a slot leaves the images it does not blend as they are."""
+    Hue runs once for all images, after three blend slots and
+    before three more: an image's blend at position k of its order
+    runs in slot k before hue if hue comes later, else in slot
+    k - 1 after it; a slot leaves the images it does not blend as
+    they are. With three slots, hue (its position differs from
+    image to image) would need four passes, one at each gap."""
     if order is None:
         order = torch.arange(4, device=x.device).expand(len(x), 4)
     order = order.T  # (4, B): the op at each position
@@ -444,6 +446,7 @@ def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
     ones = torch.ones_like(brightness)  # none's factor
     factors = torch.stack([brightness, contrast, saturation, ones])
     factor = factors.gather(0, slots)  # (6, B)
+    # each slot's factor, and whether it is contrast, saturation
     blends = torch.stack([factor, slots == 1, slots == 2], 1)
     blends = blends.view(18, -1, 1, 1, 1).unbind(0)  # (B, 1, 1, 1)
     # rgb_to_grayscale's weights
