@@ -261,7 +261,8 @@ class ResNet(nn.Module):
 
 
 # --------------------------------------------------------------- augmentation
-@dataclass
+# Frozen, so hashable: Augment groups views by their recipes.
+@dataclass(frozen=True)
 class Recipe:  # one view's augmentation
     crop_scale: tuple = (0.08, 1.0)
     crop_ratio: tuple = (3 / 4, 4 / 3)
@@ -275,66 +276,111 @@ class Recipe:  # one view's augmentation
     solarize_p: float = 0.0
 
 
+# A view's uniforms: its coins, in this order, then what its ops
+# take in turn (the crop 22, the jitter 8, the blur 1).
+COINS = ("flip_p", "jitter_p", "gray_p", "blur_p", "solarize_p")
+UNIFORMS = 36
+
+
 class Augment:
     """A Recipe per view on the device, parameters per sample
     (transforms.v2: one set per batch), drawn for the global batch
-    alike on every rank, each keeping its rows: N processes as one."""
+    alike on every rank, each keeping its rows: N processes as one.
+    A GPU launches a kernel per op, so a step draws once, and views
+    whose recipes differ only in their probabilities go through the
+    ops as one batch."""
 
     def __init__(self, recipes, size, mean, std, ctx):
-        self.recipes, self.size, self.ctx = recipes, size, ctx
-        self.mean = torch.tensor(mean, device=ctx.device)
-        self.std = torch.tensor(std, device=ctx.device)
+        self.recipes = recipes
+        self.size = size
+        self.ctx = ctx
+        device = ctx.device
+        self.mean = torch.tensor(mean, device=device).view(3, 1, 1)
+        self.std = torch.tensor(std, device=device).view(3, 1, 1)
+        groups = {}  # a recipe, its probabilities 0 -> its views
+        for v, r in enumerate(recipes):
+            shared = replace(r, **dict.fromkeys(COINS, 0.0))
+            groups.setdefault(shared, []).append(v)
+        self.groups = []
+        for r, views in groups.items():
+            p = [[getattr(recipes[v], c) for c in COINS]
+                 for v in views]
+            p = torch.tensor(p, device=device).unsqueeze(1)
+            index = torch.tensor(views, device=device)
+            self.groups.append((r, views, index, p))  # p (V, 1, 5)
 
     def __call__(self, x, generator):
         """uint8 (b, 3, H, W), or (b, V, 3, S, S) pre-cropped -> V
         normalised views."""
-        crop = x.dim() == 4
-        return [self.view(x if crop else x[:, v], r, generator, crop)
-                for v, r in enumerate(self.recipes)]
-
-    def view(self, image, r, generator, crop=True):
-        b = image.shape[0]
+        b = x.shape[0]
         start = rank() * b  # the rank the losses read
+        shape = (len(self.recipes), b * world_size(), UNIFORMS)
+        u = torch.rand(
+            shape, generator=generator, device=generator.device)
+        u = u[:, start:start + b].to(self.ctx.device)  # my rows
+        views = [None] * len(self.recipes)
+        for group in self.groups:
+            rows = self.batch(x, u, *group)  # (V b, 3, S, S)
+            for v, view in zip(group[1], rows.chunk(len(group[1]))):
+                views[v] = view
+        return views
 
-        def rand(shape):  # uniforms for the global batch; my rows
-            if isinstance(shape, int):
-                shape = (shape,)
-            shape = (b * world_size(),) + shape[1:]
-            full = torch.rand(
-                shape, generator=generator, device=generator.device)
-            return full[start:start + b].to(self.ctx.device)
+    def batch(self, x, u, r, views, index, p):
+        """Views `views` of x as one batch, view after view: r their
+        recipe (probabilities 0), p (V, 1, 5) their coins' p."""
+        crop = x.dim() == 4
+        if crop:  # a copy of the images for each view
+            x = x.repeat(len(views), 1, 1, 1)
+        else:  # (b, V, 3, S, S) -> their crops
+            x = x.transpose(0, 1).index_select(0, index).flatten(0, 1)
+        x = x.float() / 255  # (n, 3, H, W), n = V b
+        n = len(x)
+        u = u.index_select(0, index)  # (V, b, UNIFORMS)
+        heads = u[..., :len(COINS)] < p  # (V, b, 5)
+        heads = heads.view(n, -1, 1, 1, 1).unbind(1)
+        columns = iter(u.view(n, -1).unbind(1)[len(COINS):])
+        # per coin, its probability in each view
+        probs = [[getattr(self.recipes[v], c) for v in views]
+                 for c in COINS]
 
-        def where(p, y, x):  # y where drawn with probability p
-            return torch.where((rand(b) < p).view(-1, 1, 1, 1), y, x)
+        def rand(shape):  # the next columns: (n,) or (n, k)
+            if len(shape) == 1:
+                return next(columns)
+            k = shape[1]
+            return torch.stack([next(columns) for _ in range(k)], 1)
 
-        x = image.float() / 255
+        def uniform(low, high):
+            return low + (high - low) * next(columns)
+
+        def where(coin, y, x):  # y where the coin came up heads
+            if min(probs[coin]) == 1:
+                return y  # a mask all true: no op
+            return torch.where(heads[coin], y, x)
+
         if crop:
             H, W = x.shape[2:]
             box = sample_crop_boxes(
-                rand, b, H, W, r.crop_scale, r.crop_ratio)
-            x = resized_crop_flip(x, *box, rand(b) < r.flip_p, self.size)
-        if any(r.jitter):
-            jitter = rand(b) < r.jitter_p  # drawn before the factors
+                rand, n, H, W, r.crop_scale, r.crop_ratio)
+            x = resized_crop_flip(x, *box, heads[0].view(n), self.size)
+        if any(r.jitter) and max(probs[1]) > 0:
             # ColorJitter's ranges, clipped at 0
-            factors = [max(0, 1 - s) + (1 + s - max(0, 1 - s)) * rand(b)
+            factors = [uniform(max(0, 1 - s), 1 + s)
                        for s in r.jitter[:3]]
             hue = None
             if r.jitter[3] > 0:
-                hue = r.jitter[3] * (2 * rand(b) - 1)
+                hue = uniform(-r.jitter[3], r.jitter[3])
             # per image, as transforms.py ColorJitter.get_params
-            order = rand((b, 4)).argsort(1)  # (b, 4)
-            jittered = colour_jitter(x, *factors, hue, order)
-            x = torch.where(jitter.view(-1, 1, 1, 1), jittered, x)
-        if r.gray_p > 0:
-            x = where(r.gray_p, grayscale(x).expand_as(x), x)
-        if r.blur_p > 0:
-            low, high = r.blur_sigma
-            sigma = low + (high - low) * rand(b)
+            order = rand((n, 4)).argsort(1)  # (n, 4)
+            x = where(1, colour_jitter(x, *factors, hue, order), x)
+        if max(probs[2]) > 0:
+            x = where(2, grayscale(x).expand_as(x), x)
+        if max(probs[3]) > 0:
+            sigma = uniform(*r.blur_sigma)
             # odd, ~10% of the image (SimCLR's 23 px at 224)
             kernel = (self.size // 10) | 1
-            x = where(r.blur_p, gaussian_blur(x, sigma, kernel), x)
-        if r.solarize_p > 0:  # torchvision's, batched
-            x = where(r.solarize_p, TF.solarize(x, 0.5), x)
+            x = where(3, gaussian_blur(x, sigma, kernel), x)
+        if max(probs[4]) > 0:  # torchvision's, batched
+            x = where(4, TF.solarize(x, 0.5), x)
         return normalize(x, self.mean, self.std)
 
 
@@ -342,27 +388,26 @@ def sample_crop_boxes(rand, n, height, width, scale, ratio, tries=10):
     """RandomResizedCrop's box sampler, batched -> top, left, h, w
     (n,): of `tries` draws of (area, log-ratio) the first that fits,
     else a centre crop, ratio clamped; rand(shape): U[0, 1)."""
-    scales = scale[0] + (scale[1] - scale[0]) * rand((n, tries))
-    area = height * width * scales  # (n, tries)
+    low = height * width * scale[0]
+    high = height * width * scale[1]
+    area = low + (high - low) * rand((n, tries))  # (n, tries)
     log_lo, log_hi = map(math.log, ratio)
     aspect = torch.exp(log_lo + (log_hi - log_lo) * rand((n, tries)))
     w = torch.round(torch.sqrt(area * aspect))
     h = torch.round(torch.sqrt(area / aspect))
-    fits = (w > 0) & (h > 0) & (w <= width) & (h <= height)
-    first = fits.float().argmax(1, keepdim=True)  # the first that fits
-    w = w.gather(1, first)[:, 0]
-    h = h.gather(1, first)[:, 0]
+    fits = (torch.minimum(w, h) > 0) & (w <= width) & (h <= height)
+    # argmax: the first of the largest, the first that fits
+    first = fits.int().argmax(1, keepdim=True)
     found = fits.any(1)
     fh = round(width / ratio[0]) if width / height < ratio[0] else height
     fw = round(height * ratio[1]) if width / height > ratio[1] else width
-    w = torch.where(found, w, float(fw))
-    h = torch.where(found, h, float(fh))
-    u = rand((n,))
-    v = rand((n,))
-    top = torch.where(found, torch.floor(u * (height - h + 1)),
-                      torch.floor((height - h) / 2))
-    left = torch.where(found, torch.floor(v * (width - w + 1)),
-                       torch.floor((width - w) / 2))
+    w = torch.where(found, w.gather(1, first)[:, 0], float(fw))
+    h = torch.where(found, h.gather(1, first)[:, 0], float(fh))
+    # randint(0, gap + 1) if found, else centred
+    gap = height - h
+    top = torch.where(found, rand((n,)) * (gap + 1), gap / 2).floor()
+    gap = width - w
+    left = torch.where(found, rand((n,)) * (gap + 1), gap / 2).floor()
     return top, left, h, w
 
 
@@ -371,7 +416,8 @@ def resized_crop_flip(x, top, left, h, w, flip, size):
     where `flip`: one grid_sample."""
     B, _, H, W = x.shape
     zero = torch.zeros_like(w)
-    theta = torch.stack([torch.where(flip, -w / W, w / W), zero,
+    # the output's [-1, 1] square onto each box, x mirrored on flip
+    theta = torch.stack([torch.where(flip, -w, w) / W, zero,
                          (2 * left + w) / W - 1, zero, h / H,
                          (2 * top + h) / H - 1], 1)
     theta = theta.view(B, 2, 3).to(x)  # (B, 2, 3)
@@ -384,53 +430,64 @@ def resized_crop_flip(x, top, left, h, w, flip, size):
 def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
     """torchvision's ColorJitter per image: factors (B,) and order
     (B, 4) of the ops 0 brightness, 1 contrast, 2 saturation, 3 hue
-    (order None: 0-3 for all; hue None: no hue), no host sync."""
-    positions = torch.arange(4, device=x.device)
-    order = positions.expand(len(x), 4) if order is None else order
-    hue_at = (order == 3).int().argmax(1, keepdim=True)  # (B, 1)
-    # (B, 3): the ops before and after hue, -1: none
-    before = torch.where(positions < hue_at, order, -1)[:, :3]
-    after = torch.where(positions > hue_at, order, -1)[:, 1:]
-    factors = torch.stack([brightness, contrast, saturation], 1)  # (B, 3)
-    for op in before.unbind(1):
-        x = blend_op(x, op, factors)
-    x = x if hue is None else adjust_hue(x, hue)
-    for op in after.unbind(1):
-        x = blend_op(x, op, factors)
+    (order None: 0-3 for all; hue None: no hue), no host sync.
+
+    Hue runs once for all images, after three blend slots and
+    before three more: an image's blend at position k of its order
+    runs in slot k before hue if hue comes later, else in slot
+    k - 1 after it; a slot leaves the images it does not blend as
+    they are. With three slots, hue (its position differs from
+    image to image) would need four passes, one at each gap."""
+    if order is None:
+        order = torch.arange(4, device=x.device).expand(len(x), 4)
+    order = order.T  # (4, B): the op at each position
+    # The ops up to position k are no hue: k runs before it.
+    before = (order[:3] != 3).cummin(0).values  # (3, B)
+    # each slot's op, 3: none
+    slots = torch.cat([order[:3].masked_fill(~before, 3),
+                       order[1:].masked_fill(before, 3)])  # (6, B)
+    ones = torch.ones_like(brightness)  # none's factor
+    factors = torch.stack([brightness, contrast, saturation, ones])
+    factor = factors.gather(0, slots)  # (6, B)
+    # each slot's factor, and whether it is contrast, saturation
+    blends = torch.stack([factor, slots == 1, slots == 2], 1)
+    blends = blends.view(18, -1, 1, 1, 1).unbind(0)  # (B, 1, 1, 1)
+    # rgb_to_grayscale's weights
+    luma = x.new_tensor([0.2989, 0.587, 0.114]).view(3, 1, 1)
+    for slot in range(6):
+        if slot == 3 and hue is not None:
+            x = adjust_hue(x, hue)
+        x = blend_op(x, *blends[3 * slot:3 * slot + 3], luma)
     return x
 
 
-def blend_op(x, op, factors):
-    """torchvision's _blend of image i's op[i] with 0 brightness:
-    black, 1 contrast: mean grey, 2 saturation: grey; -1: none."""
-    grey = grayscale(x)  # (B, 1, H, W)
-    op = op.view(-1, 1, 1, 1)  # (B, 1, 1, 1)
-    mean_grey = grey.mean((1, 2, 3), True)
-    other = torch.where(op == 0, 0.0, torch.where(op == 1, mean_grey, grey))
-    index = op.view(-1, 1).clamp(min=0)  # (B, 1)
-    factor = factors.gather(1, index).view_as(op)
-    factor = torch.where(op >= 0, factor, 1.0)
-    return (factor * x + (1 - factor) * other).clamp(0, 1)
+def blend_op(x, factor, contrast, saturation, luma):
+    """torchvision's _blend of each image with mean grey where
+    `contrast`, grey where `saturation`, else black (brightness):
+    factor * x + (1 - factor) * other, clamped; factor 1 leaves it
+    as it is. All (B, 1, 1, 1); luma (3, 1, 1): grey's weights."""
+    grey = (x * luma).sum(1, keepdim=True)  # (B, 1, H, W)
+    mean = grey.mean((2, 3), keepdim=True)  # (B, 1, 1, 1)
+    other = torch.addcmul(contrast * mean, saturation, grey)
+    return torch.lerp(other, x, factor).clamp(0, 1)
 
 
 def adjust_hue(x, shift):
-    """Hue turned `shift` (B,) turns via HSV, as torchvision: h6 in
-    [0, 6) from the max's channel; to RGB, channel n = 5, 3, 1 is
-    v - chroma * clamp(min(k, 4 - k), 0, 1), k = (n + h6) mod 6."""
-    r, g, b = x.unbind(1)
-    minimum, value = torch.aminmax(x, dim=1)  # (B, H, W) each
-    chroma = value - minimum
-    c = torch.where(chroma > 0, chroma, 1.0)
-    # 6 * hue * c; ties: red, then green, then blue
-    hue = torch.where(value == r, g - b,
-                      torch.where(value == g, b - r + 2 * c,
-                                  r - g + 4 * c)) / c
-    hue = (hue + 6 * shift.view(-1, 1, 1)).remainder(6)  # rotated, in [0, 6)
+    """Hue turned `shift` (B,) turns via HSV, as torchvision: 6 hue
+    is 2 c + (x[c + 1] - x[c + 2]) / chroma, c the max's channel
+    (ties: red, then green, then blue), channels mod 3; to RGB,
+    channel n = 5, 3, 1 is v - chroma * clamp(min(k, 4 - k), 0, 1),
+    k = (n + 6 hue) mod 6."""
+    value, top = x.max(1, keepdim=True)  # (B, 1, H, W) each
+    chroma = value - x.amin(1, keepdim=True)
+    gaps = x.roll(-1, 1) - x.roll(-2, 1)  # x[c + 1] - x[c + 2]
+    # A grey pixel's gap is 0: any divisor above 0 gives hue 0.
+    hue = 2 * top + gaps.gather(1, top) / chroma.clamp(min=1e-12)
+    hue = torch.add(hue, shift.view(-1, 1, 1, 1), alpha=6)  # turned
     n = torch.arange(5, 0, -2, device=x.device, dtype=x.dtype)
-    k = hue.unsqueeze(1) + n.view(1, 3, 1, 1)  # (B, 3, H, W)
-    k = torch.where(k >= 6, k - 6, k)
+    k = (hue + n.view(3, 1, 1)).remainder(6)  # (B, 3, H, W)
     ramp = torch.minimum(k, 4 - k).clamp(0, 1)
-    return value.unsqueeze(1) - chroma.unsqueeze(1) * ramp
+    return value - chroma * ramp
 
 
 def gaussian_blur(x, sigma, kernel_size):
@@ -450,7 +507,7 @@ def gaussian_blur(x, sigma, kernel_size):
 
 def normalize(x, mean, std):
     """[0, 1] images (B, 3, H, W) -> normalised, channels_last on CUDA
-    (the networks' layout)."""
+    (the networks' layout); mean, std (3, 1, 1) or (3,)."""
     x = TF.normalize(x, mean, std)
     return x.contiguous(memory_format=torch.channels_last) if x.is_cuda else x
 

@@ -359,6 +359,11 @@ def main(argv=None):
         net = torch.compile(net)
     peak_lr = args.lr * args.batch_size / 256
 
+    # own: --compile, the loss too (train_step calls it by name)
+    if args.compile:
+        global dual_temperature_loss
+        dual_temperature_loss = torch.compile(dual_temperature_loss)
+
     # own: the optimiser, the probes, what a checkpoint keeps
     optimizer = common.pretraining_optimizer(
         model.parameters(), args, ctx, peak_lr)
@@ -376,6 +381,8 @@ def main(argv=None):
     common.start_run(args, ctx, data, backbone)
     augment = common.Augment(recipes(args), data.image_size,
                              data.mean, data.std, ctx)
+    if args.compile:
+        augment = torch.compile(augment)
     steps = len(data) // args.batch_size
 
     for epoch in range(start.epoch, args.epochs):

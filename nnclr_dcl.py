@@ -309,6 +309,11 @@ def main(argv=None):
         net = torch.compile(net)
     peak_lr = args.lr * args.batch_size / 256
 
+    # own: --compile, the loss too (train_step calls it by name)
+    if args.compile:
+        global nnclr_loss
+        nnclr_loss = torch.compile(nnclr_loss)
+
     # own: the optimiser, the support set, the probes, what a
     # checkpoint keeps
     optimizer = common.pretraining_optimizer(
@@ -329,6 +334,8 @@ def main(argv=None):
     common.start_run(args, ctx, data, backbone)
     augment = common.Augment(recipes(args), data.image_size,
                              data.mean, data.std, ctx)
+    if args.compile:
+        augment = torch.compile(augment)
     steps = len(data) // args.batch_size
 
     for epoch in range(start.epoch, args.epochs):

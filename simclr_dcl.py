@@ -235,6 +235,11 @@ def main(argv=None):
         net = torch.compile(net)
     peak_lr = args.lr * args.batch_size / 256
 
+    # own: --compile, the loss too (train_step calls it by name)
+    if args.compile:
+        global contrastive_loss
+        contrastive_loss = torch.compile(contrastive_loss)
+
     # own: the optimiser, the probes, what a checkpoint keeps
     optimizer = common.pretraining_optimizer(
         model.parameters(), args, ctx, peak_lr)
@@ -251,6 +256,8 @@ def main(argv=None):
     common.start_run(args, ctx, data, backbone)
     augment = common.Augment(recipes(args), data.image_size,
                              data.mean, data.std, ctx)
+    if args.compile:
+        augment = torch.compile(augment)
     steps = len(data) // args.batch_size
 
     for epoch in range(start.epoch, args.epochs):

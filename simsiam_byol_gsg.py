@@ -339,6 +339,12 @@ def main(argv=None):
         net = torch.compile(net)
     peak_lr = args.lr * args.batch_size / 256
 
+    # own: --compile, the loss too (train_step calls it by name)
+    if args.compile:
+        global symmetric_loss, guided_stopgrad_loss
+        symmetric_loss = torch.compile(symmetric_loss)
+        guided_stopgrad_loss = torch.compile(guided_stopgrad_loss)
+
     # own: the optimiser, the probes, what a checkpoint keeps
     # --fix-pred-lr keeps the predictor's group at peak_lr
     # (facebookresearch/simsiam main_simsiam.py).
@@ -361,6 +367,8 @@ def main(argv=None):
     common.start_run(args, ctx, data, backbone)
     augment = common.Augment(recipes(args), data.image_size,
                              data.mean, data.std, ctx)
+    if args.compile:
+        augment = torch.compile(augment)
     steps = len(data) // args.batch_size
 
     for epoch in range(start.epoch, args.epochs):

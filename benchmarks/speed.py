@@ -6,8 +6,11 @@ with the file's recipes, the lr schedule, the file's own train_step) beside the 
 pipeline's efficiency, target >= 0.9 on a GPU); one epoch's seconds on CIFAR-10's shape (the
 cuda preset; the cpu preset's few images), kNN monitor (common.evaluate) included; host-device
 syncs per loop step (CUDA: torch.cuda.set_sync_debug_mode("warn"); target 0); peak GPU memory.
-Below it: common.Augment against torchvision's per-image PIL pipeline, and common.LARS's step
-against torch.optim.SGD's on the same ResNet-18.
+Then what the host dispatches: per method, the aten ops one step calls (counted with a
+TorchDispatchMode: on a GPU each is a kernel launch) in common.Augment, in the rest of train_step
+beyond the bare network step, and in the bare step, and their host ms at a size where dispatch is
+all that costs (two 4 px images a step). Below it: common.Augment against torchvision's per-image
+PIL pipeline, and common.LARS's step against torch.optim.SGD's on the same ResNet-18.
 
     python benchmarks/speed.py --device cuda                # real size: w64, 32 px, batch 256/512
     python benchmarks/speed.py --device cpu                 # small preset: w8, 16 px, 1,024 images
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from PIL import Image
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -259,6 +263,59 @@ def method_row(name, preset, data, ctx):
             "memory": torch.cuda.max_memory_allocated(ctx.device) / 2 ** 30 if cuda else None}
 
 
+# ------------------------------------------------------------------------------ what the host dispatches
+# a step of two 4 px images: dispatch is all that costs
+DISPATCH_BATCH = 2
+DISPATCH_IMAGE = 4
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten op dispatched inside the block: what a GPU launches a kernel for (views
+    and other metadata ops included, which launch none: an upper bound)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_in(fn):
+    """The aten ops one call of fn dispatches."""
+    with OpCounter() as counter:
+        fn()
+    return counter.ops
+
+
+def dispatch_row(name, preset, ctx):
+    """Method `name` (the preset's width and heads) on batches of two 4 px images: the ops one
+    step dispatches in common.Augment (the file's recipes), in train_step beyond the bare network
+    step (the loss, diagnostics and bookkeeping: EMA, queue, support set) and in the bare step
+    (the same network calls, a trivial loss, backward, the optimiser), after a first step (which
+    makes the optimiser's state); then each one's host ms a step -> row."""
+    mod, options = METHODS[name]
+    argv = [*options, "--width", str(preset.width), *preset.heads.get(mod, []),
+            "--batch-size", str(DISPATCH_BATCH)]
+    t = training(mod, argv, ctx, DISPATCH_IMAGE)
+    mean, std = common.STATS["cifar10"]
+    augment = common.Augment(mod.recipes(t.args), DISPATCH_IMAGE, mean, std, ctx)
+    g = torch.Generator().manual_seed(0)
+    shape = (DISPATCH_BATCH, 3, DISPATCH_IMAGE, DISPATCH_IMAGE)
+    images = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).to(ctx.device)
+    labels = torch.randint(0, 10, (DISPATCH_BATCH,), generator=g).to(ctx.device)
+    order, generator = common.epoch_generators(t.args.seed, 0, ctx.device)
+    views = augment(images, generator)
+    calls = recorded_step(t, views, labels, order)
+    steps = {"augment": lambda: augment(images, generator),
+             "step": lambda: t.step(views, labels, order),
+             "bare": lambda: bare_step(calls, t.optimizer, ctx)}
+    ops = {k: ops_in(fn) for k, fn in steps.items()}
+    ms = {k: 1e3 * seconds_per_call(fn, ctx.device, 20) for k, fn in steps.items()}
+    return {"method": name, "views": len(views), "ops": ops, "ms": ms}
+
+
 # ------------------------------------------------------------------------------ baselines
 class PilImages(torch.utils.data.Dataset):
     """Images as torchvision serves CIFAR: uint8 HWC array -> PIL image -> `transform`."""
@@ -359,6 +416,20 @@ def main(argv=None):
         say(markdown_row([name, r["batch"], r["views"], number(r["loop"]), number(r["bare"]),
                           f"{r['loop'] / r['bare']:.2f}", f"{r['epoch_s']:.1f} ({r['knn_s']:.1f})",
                           number(r["syncs"], 1), number(r["memory"], 2, " GiB")]))
+    say("", f"Ops one step dispatches (aten ops, `TorchDispatchMode`) and host ms a step, at "
+        f"{DISPATCH_BATCH} images of {DISPATCH_IMAGE} px (the counts do not depend on the size); "
+        f"the rest: train_step beyond the bare network step.", "",
+        markdown_row(["method", "views", "augmentation ops (a view)", "rest ops", "bare step ops",
+                      "(augmentation + train_step) / bare", "augmentation ms", "train_step ms",
+                      "bare step ms"]), "|" + "---|" * 9)
+    for name in o.methods:
+        r = dispatch_row(name, preset, ctx)
+        ops = r["ops"]
+        ms = r["ms"]
+        say(markdown_row([name, r["views"], f"{ops['augment']:,} ({ops['augment'] / r['views']:.0f})",
+                          number(ops["step"] - ops["bare"]), number(ops["bare"]),
+                          f"{(ops['augment'] + ops['step']) / ops['bare']:.2f}",
+                          f"{ms['augment']:.2f}", f"{ms['step']:.2f}", f"{ms['bare']:.2f}"]))
     ours, pil, workers = augmentation_rates(preset, ctx)
     lars, sgd = optimizer_step_ms(preset, ctx)
     say("", markdown_row(["baseline", "ours", "theirs", "ratio"]), "|---|---|---|---|",

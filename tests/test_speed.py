@@ -3,6 +3,7 @@
 import os
 import sys
 
+import pytest
 import torch
 
 import common
@@ -15,20 +16,50 @@ TINY = speed.Preset(4, 8, 8, 32, 16, 1, 0, 64, speed.SMALL_HEADS)  # 4 steps of 
 CPU = common.Context(0, 1, 0, torch.device("cpu"), "", False)
 
 
-def test_the_tables_have_a_row_per_method_and_the_two_baselines(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    """main() at the tiny preset -> its Markdown rows, split into cells."""
+    out = tmp_path_factory.mktemp("speed") / "speed.md"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(speed.PRESETS, "cpu", TINY)
+        speed.main(["--device", "cpu", "--out", str(out)])
+    return [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ")]
+
+
+def method_rows(tables):
+    """The speed table's rows and the ops table's, one per method each."""
+    rows = [r for r in tables if r[0][2:] in speed.METHODS]
+    assert [r[0][2:] for r in rows] == list(speed.METHODS) * 2
+    return rows[:len(speed.METHODS)], rows[len(speed.METHODS):]
+
+
+def test_the_tables_have_a_row_per_method_and_the_two_baselines(tables):
     """main() at the tiny preset writes one row per method (positive rates, no sync count or GPU
-    memory on a CPU) and the augmentation and optimiser rows."""
-    monkeypatch.setitem(speed.PRESETS, "cpu", TINY)
-    out = tmp_path / "speed.md"
-    speed.main(["--device", "cpu", "--out", str(out)])
-    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ")]
-    methods = {r[0][2:]: r for r in rows if r[0][2:] in speed.METHODS}
-    assert list(methods) == list(speed.METHODS)
-    for cells in methods.values():
+    memory on a CPU), one row of ops and host ms per method, and the augmentation and optimiser
+    rows."""
+    speeds, ops = method_rows(tables)
+    for cells in speeds:
         assert float(cells[3].replace(",", "")) > 0 and float(cells[5]) > 0
         assert cells[7:] == ["n/a", "n/a |"]
-    assert [r[0][2:] for r in rows[-2:]] == ["augmentation, SimCLR's recipe, 8 px, 64 images",
-                                             "optimiser step, ResNet-18 w4"]
+    for cells in ops:  # "augmentation (a view)", rest, bare, ratio, then three ms
+        assert int(cells[3].replace(",", "")) > 0 and int(cells[4].replace(",", "")) > 0
+        assert all(float(ms.strip(" |")) > 0 for ms in cells[6:])
+    assert [r[0][2:] for r in tables[-2:]] == ["augmentation, SimCLR's recipe, 8 px, 64 images",
+                                               "optimiser step, ResNet-18 w4"]
+
+
+def test_every_augmentation_dispatches_at_most_150_ops_a_view_and_simclr_its_step_within_1_7(
+        tables):
+    """Issue 39's bounds, as speed.py counts them: every method's common.Augment (its file's
+    recipes) dispatches at most 150 aten ops a view, and SimCLR's augmentation plus its
+    train_step at most 1.7 times its bare network step's ops (652 + 685 against 569, 2.35,
+    before the views were batched and drawn at once)."""
+    _, ops = method_rows(tables)
+    for cells in ops:
+        augment = int(cells[2].split()[0].replace(",", ""))  # "ops (a view)"
+        assert augment <= 150 * int(cells[1]), cells
+        if cells[0] == "| simclr-dcl":
+            assert float(cells[5]) <= 1.7, cells
 
 
 def test_the_bare_step_replays_the_networks_the_real_step_called():
@@ -48,3 +79,13 @@ def test_the_bare_step_replays_the_networks_the_real_step_called():
         names = {id(m): n for n, m in t.modules.items()}
         assert [(names[id(m)], len(inputs), grad) for m, inputs, grad in calls] == expected
         assert all(x is v for x, v in zip(calls[0][1], views))  # the very views of the step
+
+
+def test_the_op_counter_counts_every_aten_op():
+    """Known ops: an add and a mul are 2; torch.where with a Python number lifts it to a tensor
+    first (3: gt, scalar_tensor, where); a view is one too."""
+    x = torch.ones(3)
+    assert speed.ops_in(lambda: (x + 1) * 2) == 2
+    assert speed.ops_in(lambda: torch.where(x > 0, x, 0.0)) == 3
+    assert speed.ops_in(lambda: x.view(3, 1)) == 1
+
