@@ -202,6 +202,13 @@ def to_device(t, device):
     return t.to(device, non_blocking=True)
 
 
+def hide_bar(rank):
+    """tqdm's `disable`: rank 0's bars only on a terminal (None:
+    tqdm asks its stream), so a log piped to a file keeps just
+    the epoch lines; no other rank shows one."""
+    return None if rank == 0 else True
+
+
 def float32(t):
     """The loss's precision: autocast's bf16 -> float32; float32 and
     float64 unchanged."""
@@ -581,7 +588,7 @@ def extract_features(backbone, split, data, ctx, workers=0, unit=True):
     std = torch.tensor(data.std, device=device)
     backbone.eval()
     batches = tqdm(batches, "features", -(-(hi - lo) // 256),
-                   leave=False, disable=ctx.rank != 0)
+                   leave=False, disable=hide_bar(ctx.rank))
     for i, (images, y) in enumerate(batches):  # pinned: copies without a wait
         images = images.to(device, non_blocking=True)
         y = y.to(device, non_blocking=True)
@@ -654,7 +661,7 @@ def train_linear(classifier, optimizer, batches, epochs, lr=None,
                  scheduler=None, world=1):
     """The probes' loop: each epoch lr(epoch), cross-entropy steps."""
     for epoch in tqdm(range(epochs), "linear probe", leave=False,
-                      disable=rank() != 0):
+                      disable=hide_bar(rank())):
         if lr:
             for group in optimizer.param_groups:
                 group["lr"] = lr(epoch)
@@ -1297,15 +1304,18 @@ class EpochMeter:
         self.steps = 0
         self.lr = 0.0
         self.bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{epochs}", leave=False,
-                        disable=ctx.rank != 0, dynamic_ncols=True)
+                        disable=hide_bar(ctx.rank), dynamic_ncols=True)
         self.start = self.last = time.perf_counter()
 
-    def update(self, lr, **scalars):
+    def update(self, lr, loss, **scalars):
+        """The step's loss and diagnostics: tensors or numbers."""
         self.steps += 1
         self.lr = lr
+        scalars = {"loss": loss, **scalars}
         for name, value in scalars.items():  # summed on the device
+            value = torch.as_tensor(value, device=self.device)
             self.sums[name] = self.sums.get(name, 0) + value.detach().float()
-        if self.steps % self.every:
+        if self.steps % self.every or self.bar.disable:
             return
         now = time.perf_counter()
         loss = self.sums["loss"].item() / self.steps

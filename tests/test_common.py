@@ -1,9 +1,11 @@
 """common.py: augmentation against torchvision, evaluation, schedule, global BatchNorm, checkpoints
 and resume, and every bad-input case (run through simclr_dcl.py)."""
 
+import io
 import itertools
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -781,9 +783,17 @@ def test_help_shows_one_default_per_option(capsys):
         assert not twice, (script, twice)
 
 
-def test_the_progress_bar_moves_every_step_of_a_short_epoch():
+class Terminal(io.StringIO):
+    """A stderr that says it is a terminal, as a user's shell is."""
+
+    def isatty(self):
+        return True
+
+
+def test_the_progress_bar_moves_every_step_of_a_short_epoch(monkeypatch):
     """An epoch of 6 steps shows each step as it ends (it sat at 0/6 until the epoch's end); a
     long one refreshes every 20 steps (each refresh waits for the device)."""
+    monkeypatch.setattr(sys, "stderr", Terminal())
     for steps, every in ((6, 1), (400, 20)):
         meter = common.EpochMeter(ctx_for(0, 1), 0, 1, steps, 8)
         seen = []
@@ -797,6 +807,29 @@ def test_the_progress_bar_moves_every_step_of_a_short_epoch():
 def test_the_final_evaluation_shows_its_progress(tiny_folder, tmp_path, capsys):
     """The kNN monitor's feature passes and the final linear probe's epochs each show a progress
     bar (on ImageNet they take hours; before, nothing moved once the epoch's bar closed)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "stderr", Terminal())
+        simclr_dcl.main(smoke_args(tiny_folder, tmp_path / "tty", "--linear-epochs", "2"))
+        err = sys.stderr.getvalue()
+    assert "features:" in err and "linear probe:" in err and "epoch 1/1" in err
+
+
+def test_a_log_piped_to_a_file_gets_the_epoch_lines_and_no_bars(tiny_folder, tmp_path, capsys):
+    """Not on a terminal (stderr captured, as a file is), no progress bar redraws: the epoch line
+    and the final lines alone."""
     simclr_dcl.main(smoke_args(tiny_folder, tmp_path, "--linear-epochs", "2"))
-    err = capsys.readouterr().err
-    assert "features:" in err and "linear probe:" in err
+    out, err = capsys.readouterr()
+    assert "it/s" not in err and "features:" not in err and "epoch 1/1" not in err
+    assert "epoch 1  loss " in out and "final: " in out
+
+
+def test_the_epoch_meter_takes_numbers_and_needs_the_loss():
+    """meter.update(lr, loss, **diagnostics): tensors or plain numbers; no loss is a TypeError
+    at the call, not a KeyError some steps later."""
+    meter = common.EpochMeter(ctx_for(0, 1), 0, 1, 2, 8)
+    meter.update(0.1, loss=torch.tensor(1.0), hits=3)
+    meter.update(0.1, 2.0, hits=torch.tensor(5))
+    record = meter.summary()
+    assert record["loss"] == 1.5 and record["hits"] == 4.0
+    with pytest.raises(TypeError):
+        common.EpochMeter(ctx_for(0, 1), 0, 1, 2, 8).update(0.1, hits=1)
