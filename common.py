@@ -1137,7 +1137,7 @@ def add_common_args(parser):
     a("--amp", action=on_off,
       help="bf16 autocast (default: where the GPU has native bf16)")
     a("--compile", action=on_off, default=False,
-      help="torch.compile the model")
+      help="torch.compile the model, the augmentation, the loss")
 
 
 # What --resume may change; the rest comes from the recorded line.

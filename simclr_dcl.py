@@ -127,7 +127,9 @@ def contrastive_loss(z1, z2, temperature=0.1, loss="infonce",
     candidates = gather_with_grad(anchors)  # (2N, D)
     logits = anchors @ candidates.T / temperature  # (2B, 2N)
     self_mask, positive_mask = anchor_masks(logits)
-    pos = logits[positive_mask]  # (2B,) each anchor's positive
+    # Each row's one True picks its positive: exact, and unlike
+    # boolean indexing it never waits for the device.
+    pos = (logits * positive_mask).sum(1)  # (2B,)
     # A view is not its own negative.
     logits = logits.masked_fill(self_mask, -math.inf)
     if loss != "infonce":
@@ -172,7 +174,8 @@ def npc_multiplier(z1, z2, temperature=0.1):
     # U sums over the negatives alone.
     negatives = logits.masked_fill(self_mask | positive_mask, -math.inf)
     log_u = torch.logsumexp(negatives, dim=1)  # (2B,)
-    return torch.sigmoid(log_u - logits[positive_mask])
+    pos = (logits * positive_mask).sum(1)  # (2B,)
+    return torch.sigmoid(log_u - pos)
 
 
 # ---------------------------------------- training step
