@@ -1174,7 +1174,7 @@ def parse_args(parser, argv, script):
     if folder.endswith(".pt"):
         folder = os.path.dirname(folder)
     path = os.path.join(folder, "config.json")
-    made_by, recorded, saved = read_config(folder)
+    made_by, recorded, saved = read_config(folder, script)
     if made_by != script:
         raise UserError(
             f"--resume {folder}: that run was made by {made_by}.py, "
@@ -1202,14 +1202,18 @@ def parse_args(parser, argv, script):
     return args
 
 
-def read_config(folder):
-    """folder/config.json -> its script, command line, arguments."""
+def read_config(folder, script):
+    """folder/config.json -> its script, command line, arguments.
+    Another script's run is named before its command line is read."""
     try:
         path = os.path.join(folder, "config.json")
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
+        made_by = config["script"]
+        if made_by != script:
+            return made_by, None, None
         argv = [str(a) for a in config["argv"]]
-        return config["script"], argv, dict(config["args"])
+        return made_by, argv, dict(config["args"])
     except (OSError, ValueError, TypeError, KeyError):
         # ValueError: not JSON, or not UTF-8; the others: not a config.
         raise UserError(
@@ -1223,9 +1227,9 @@ def continues(out, argv, script):
     held = os.listdir(out) if os.path.isdir(out) else []
     if "config.json" not in held:
         return False
-    made_by, recorded, _ = read_config(out)
+    made_by, recorded, _ = read_config(out, script)
     ours = shlex.join([f"{script}.py", *argv])
-    theirs = shlex.join([f"{made_by}.py", *recorded])
+    theirs = shlex.join([f"{made_by}.py", *(recorded or [])])
     if ours != theirs:
         raise UserError(
             f"--out {out} holds the run of `{theirs}`, not `{ours}`: run "

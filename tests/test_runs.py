@@ -335,9 +335,19 @@ def test_two_nodes_with_their_own_data_folders_train_as_one(tiny_folder, tmp_pat
     import simclr_dcl
 
     simclr_dcl.main(smoke_args(tiny_folder, tmp_path / "one", "--linear-epochs", "0"))
+    simclr_dcl.main(smoke_args(tiny_folder, tmp_path / "init", "--epochs", "0",
+                               "--linear-epochs", "0"))
     two = torch.load(tmp_path / "run" / "backbone.pt", weights_only=True)
     one = torch.load(tmp_path / "one" / "backbone.pt", weights_only=True)
-    assert max((two[k].float() - one[k].float()).abs().max() for k in one) < 1e-4
+    init = torch.load(tmp_path / "init" / "backbone.pt", weights_only=True)
+    # float32 rounding (summation order across processes, threads) drifts the two runs apart by
+    # a machine's rounding, not by a fixed 1e-4 (3e-4 seen on a loaded 2-core machine): bound it by
+    # the training's own move instead, as the SimCLR smoke test does. A rank training on the wrong
+    # rows or gradients is as far off as the move itself.
+    keys = [k for k in one if one[k].is_floating_point()]
+    apart = max((two[k] - one[k]).abs().max() for k in keys)
+    moved = max((one[k] - init[k]).abs().max() for k in keys)
+    assert moved > 0 and apart < 0.01 * moved, (apart, moved)  # seen: 3e-4 of 1.5
 
 
 def _torchrun_node(node_rank, port):
