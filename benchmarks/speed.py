@@ -312,7 +312,7 @@ def dispatch_row(name, preset, ctx):
              "step": lambda: t.step(views, labels, order),
              "bare": lambda: bare_step(calls, t.optimizer, ctx)}
     ops = {k: ops_in(fn) for k, fn in steps.items()}
-    ms = {k: 1e3 * seconds_per_call(fn, ctx.device, 20) for k, fn in steps.items()}
+    ms = {k: 1e3 * seconds_per_call(fn, ctx.device, 10) for k, fn in steps.items()}
     return {"method": name, "views": len(views), "ops": ops, "ms": ms}
 
 
