@@ -14,7 +14,7 @@ gsg/loader.py). `random` and `reverse` are Sec. 6.1's baselines.
     python simsiam_byol_gsg.py --method byol --stopgrad guided  # 1 GPU
     torchrun --nproc_per_node=8 simsiam_byol_gsg.py  # 8 GPUs, same batch
     python simsiam_byol_gsg.py --dataset textures --width 8 \\
-        --batch-size 32 --lr 0.3 --warmup-epochs 0 --epochs 3 \\
+        --batch-size 32 --lr 0.45 --warmup-epochs 0 --epochs 3 \\
         --proj-hidden 256 --proj-dim 64  # CPU, no download
 """
 import argparse
