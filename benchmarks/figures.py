@@ -8,8 +8,8 @@ reproduction); each PNG goes to --out with its data as JSON.
     python benchmarks/figures.py curves RUN [RUN ...]
 
 --train first runs the figure's variants by compare.py (the
-README's quick start, kNN each epoch; options after `--` go
-last). MoCo v2 there takes --lr 1.0 --key-momentum 0.999
+README's quick-start T, lr 0.3 for every method, kNN each
+epoch; options after `--` go last). MoCo v2 there takes --lr 1.0 --key-momentum 0.999
 --queue-size 256: at m = 0.99 its loss climbs to log(K + 1)
 and its kNN stays near the untrained 51%; at MoCo's m = 0.999
 it learns (51% -> 77% in 3 epochs).
@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 import common  # noqa: E402
 
-# The README's quick start; no figure shows a linear probe.
+# The README's quick-start T; no figure shows a linear probe.
 QUICK = ("--dataset textures --width 8 --batch-size 32 --lr 0.3"
          " --warmup-epochs 0 --epochs 3 --proj-hidden 256"
          " --proj-dim 64 --eval-every 1 --linear-epochs 0").split()
