@@ -24,8 +24,13 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+
+try:
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+except ImportError:  # the training scripts never need it
+    sys.exit("figures.py draws with matplotlib: "
+             "pip install -r benchmarks/requirements.txt")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))

@@ -227,3 +227,19 @@ def test_dclw_weight_as_the_readme_writes_it_is_dclw_weights(sigma):
     s = torch.linspace(-0.9, 0.95, 7, dtype=torch.float64)  # cosines of 7 positive pairs
     readme_w = 2 - torch.exp(s / sigma) / torch.exp(s / sigma).mean()
     assert torch.allclose(simclr_dcl.dclw_weights(s, sigma), readme_w, atol=1e-12)
+
+
+# ------------------------------------------------------------------ the two commands
+
+def test_ci_runs_exactly_the_readmes_install_and_test_commands():
+    """.ci/run's commands are lines of the README's code blocks, word for word: CI then fails
+    whenever a newcomer following the README would (a missing install step shows)."""
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
+        ci = [line.strip() for line in f if line.strip()]
+    commands = [line for line in ci if not line.startswith(("#", "set ", "cd "))]
+    shown = {line.split("  #")[0].strip() for line in readme().splitlines()
+             if line.startswith("    ")}
+    assert any("pip install" in c for c in commands), commands
+    assert any("pytest" in c for c in commands), commands
+    missing = [c for c in commands if c not in shown]
+    assert not missing, f".ci/run runs {missing}, which the README does not show"
