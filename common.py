@@ -770,7 +770,7 @@ class OnlineProbe:
     """The DT authors' online classifier
     (ChaoningZhang/Dual-temperature solo/methods/base.py lines 246,
     335-343, 424-447) on training views' detached features, kept by
-    `keep`, the forward hook on `backbone` main() registers (their
+    `keep`, a forward hook on `backbone` (their
     lines 475, 482 read the same features); SGD momentum 0.9
     (solo/args/utils.py line 204), no weight decay, lr 0.3 not scaled
     by the batch (bash_files/*.sh --classifier_lr; utils.py line 212
@@ -780,6 +780,8 @@ class OnlineProbe:
                  name="online_top1", lr=0.3):
         self.backbone, self.name, self.lr = backbone, name, lr
         self.features = []
+        # The features train_step makes reach `keep`.
+        backbone.register_forward_hook(self.keep)
         self.classifier = linear_classifier(
             backbone.out_dim, num_classes, ctx.device, seed)
         self.optimizer = torch.optim.SGD(
@@ -982,39 +984,42 @@ class UserError(Exception):
     """A problem the user can fix: one line, exit status 2, no traceback."""
 
 
-# This run's folder, command line, script, epoch lines, how it goes
-# on; a signal to stop (the agreed one), its last save, their group.
-RUN = {"out": None, "argv": None, "script": None, "metrics": [],
-       "how": "--resume", "signal": 0, "stop": 0, "saved": 0.0,
-       "group": None}
+# This process's run: its folder, script and command line.
+RUN = {"out": None, "script": None, "argv": None}
+
+
+def stop(signum, frame):
+    """SIGTERM as Ctrl-C: the run ends where it is (a download,
+    a step, the kNN, a probe); the last checkpoint stays."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def run(main):
-    """main(); SIGTERM, SIGUSR1: a stop at a checkpoint_due; a
-    UserError, OSError or lost process: one `error:` line, exit 2;
-    Ctrl-C: a --resume line, exit 130."""
+    """main() as a command. SIGINT, SIGTERM: one line, exit status
+    128 + the signal's number; a UserError, OSError or a lost
+    process: one `error:` line, exit status 2."""
     rank = int(os.environ.get("RANK", 0))  # before any process group
-    for signum in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(signum, lambda n, frame: RUN.update(signal=n))
+    signal.signal(signal.SIGTERM, stop)
     try:
         main()
-    except (UserError, OSError, KeyboardInterrupt, RuntimeError) as error:
-        for bar in list(tqdm._instances):  # an interrupted epoch's bar
-            bar.close()
-        if isinstance(error, KeyboardInterrupt):
-            if rank == 0:
-                print(f"interrupted; continue with --resume {RUN['out']}",
-                      file=sys.stderr)
-            sys.exit(130)
+    except KeyboardInterrupt as error:
+        name = error.args[0] if error.args else "SIGINT"
+        if rank == 0:
+            print(f"stopped ({name}); the last checkpoint is kept: "
+                  f"continue with --resume {RUN['out']}", file=sys.stderr)
+        sys.exit(128 + signal.Signals[name])
+    except (UserError, OSError, RuntimeError) as error:
         # From a DataLoader worker, the message is its traceback.
         message = str(error).strip().split("\n")[-1].split("UserError: ")[-1]
-        if isinstance(error, RuntimeError):  # gloo's words, or NCCL's
-            peer = re.search(r"Connection \w+ by peer", str(error))
-            if not (peer or isinstance(error, dist.DistError)):
-                raise
-            why = peer[0] if peer else type(error).__name__
-            message = (f"another process of this run stopped ({why}); "
-                       f"the last checkpoint is kept: {AGAIN}")
+        peer = re.search(r"Connection \w+ by peer", str(error))
+        if peer:  # gloo's words when a process ends
+            message = (f"another process of this run stopped ({peer[0]}); "
+                       f"the last checkpoint is kept: continue with "
+                       f"--resume {RUN['out']}")
+        elif isinstance(error, dist.DistError):  # NCCL's own words
+            message = f"{type(error).__name__}: " + str(error).strip().split("\n")[0]
+        elif isinstance(error, RuntimeError):
+            raise  # a bug: its traceback
         if rank != 0:
             # Rank 0 speaks for all and torchrun stops the rest (its
             # SIGTERM ends the wait); a rank alone speaks after it.
@@ -1024,6 +1029,8 @@ def run(main):
         print(f"error{where}: {message}", file=sys.stderr)
         sys.exit(2)
     finally:
+        for bar in list(tqdm._instances):  # an interrupted epoch's bar
+            bar.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -1043,6 +1050,7 @@ non_negative_int = checked(int, lambda n: n >= 0, "0 or a positive integer")
 positive_float = checked(float, lambda x: 0 < x < math.inf, "a positive number")
 non_negative_float = checked(float, lambda x: 0 <= x < math.inf,
                              "0 or a positive number")
+fraction = checked(float, lambda x: 0 < x <= 1, "in (0, 1]")
 seed_value = checked(int, lambda s: 0 <= s < 2 ** 32, "in [0, 2^32)")
 # An EMA's momentum: t <- m t + (1 - m) o.
 momentum_value = checked(float, lambda m: 0 <= m < 1, "in [0, 1)")
@@ -1101,17 +1109,20 @@ def add_common_args(parser):
       help="LARS trust coefficient (SimCLR's)")
     a("--lars-clip", action=on_off, default=False,
       help="LARS: lr <= the schedule's (solo-learn's)")
-    a("--crop-scale", type=float, nargs=2, metavar=("MIN", "MAX"),
+    a("--crop-scale", type=fraction, nargs=2, metavar=("MIN", "MAX"),
       help="random crop's area range")
     a("--out", help="run folder (default runs/<script>-<time>-<pid>); "
       "the same command again continues its run")
     a("--resume", metavar="RUN",
-      help="continue RUN bit-for-bit, or evaluate a finished RUN again")
+      help="continue RUN with the options its checkpoint keeps (any "
+           "given here replace them), or evaluate a finished RUN again")
     a("--stop-after", type=positive_int,
       help="end after that many epochs in all (then --resume)")
-    a("--checkpoint-minutes", type=non_negative_float, default=30,
-      metavar="M", help="and one every M minutes (0: none); each resets "
-      "the clock: CIFAR's seconds-long epochs never reach it")
+    # torchtitan's default interval. A CIFAR epoch at batch 256 is
+    # 195 steps and never reaches it; ImageNet's 5,004 write ten.
+    a("--checkpoint-every", type=positive_int, default=500, metavar="N",
+      help="a checkpoint every N steps of an epoch, and at its end: "
+           "a killed run loses at most N steps")
     a("--eval-every", type=positive_int, default=10,
       help="kNN monitor every N epochs (and last)")
     a("--knn-k", type=positive_int, default=200,
@@ -1137,19 +1148,13 @@ def add_common_args(parser):
     a("--amp", action=on_off,
       help="bf16 autocast (default: where the GPU has native bf16)")
     a("--compile", action=on_off, default=False,
-      help="torch.compile the model, the augmentation, the loss")
-
-
-# What --resume may change; the rest comes from the recorded line.
-RESUMABLE = set("resume device data_dir workers stop_after eval_every "
-                "compile amp knn_k knn_t linear_protocol linear_epochs "
-                "linear_lr linear_batch checkpoint_minutes".split())
+      help="torch.compile the network and the augmentation")
 
 
 def parse_args(parser, argv, script):
-    """A new run's options; --resume RUN, or the command that made the
-    run in --out: the recorded command line, then this one (RESUMABLE
-    options only)."""
+    """The command line's options. With --resume RUN: those RUN's
+    checkpoint keeps, any given here replacing them. In an --out
+    holding this command's run: it continues (a requeue)."""
     # Checked even if the command line gives one: the file is at fault.
     unset = [k for k in METHOD_DEFAULTS if parser.get_default(k) is None]
     if unset:
@@ -1157,79 +1162,53 @@ def parse_args(parser, argv, script):
             f"{script}.py sets no default for {', '.join(unset)}: give "
             f"each in its parser.set_defaults(...)")
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    args = parse(parser, argv)
-    RUN.update(script=script, how="--resume")
-    folder = args.resume  # or RUN/checkpoint.pt
-    if folder is None:
+    args = parser.parse_args(argv)
+    if args.crop_scale and args.crop_scale[0] > args.crop_scale[1]:
+        parser.error("--crop-scale: MIN > MAX")
+    RUN.update(script=script, argv=argv)
+    if args.resume is None:
         # The process id keeps apart runs started in one second.
         name = f"{script}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         args.out = args.out or os.path.join("runs", name)
-        RUN.update(out=args.out, argv=argv, metrics=[])
+        RUN["out"] = args.out
         if not continues(args.out, argv, script):
             return args
-        # A scheduler's requeue: as --resume OUT.
-        folder = args.out
-        argv = ["--resume", folder]
-        RUN["how"] = "the same command"
-    if folder.endswith(".pt"):
-        folder = os.path.dirname(folder)
-    path = os.path.join(folder, "config.json")
-    made_by, recorded, saved = read_config(folder, script)
+        args.resume = args.out  # a scheduler's requeue
+    folder = args.resume.removesuffix("checkpoint.pt")
+    path = os.path.join(folder, "checkpoint.pt")
+    try:  # mmap: the states are read when the run loads them
+        saved = torch.load(path, map_location="cpu",
+                           weights_only=True, mmap=True)
+        made_by = saved["script"]
+        kept = argparse.Namespace(**saved["args"])
+    except Exception as error:  # missing, truncated, not ours
+        raise UserError(
+            f"{path}: no checkpoint of this project to resume "
+            f"({type(error).__name__}); give a run folder that has "
+            f"one, or start a new --out") from None
     if made_by != script:
         raise UserError(
             f"--resume {folder}: that run was made by {made_by}.py, "
             f"not {script}.py; start a new --out")
-    then = vars(parse(parser, recorded, path))
-    args = parse(parser, recorded + argv, path)
-    for key, value in vars(args).items():
-        if key in RESUMABLE or key == "out":
-            continue
-        option = "--" + key.replace("_", "-")
-        value = json.loads(json.dumps(value))  # (json: tuples as lists)
-        if value != json.loads(json.dumps(then[key])):
-            raise UserError(
-                f"run {folder} was trained with {option} {then[key]}, not "
-                f"{value}; drop that option to continue it, or start a "
-                f"new --out")
-        # None: set later (the image size).
-        if value is None or value == saved.get(key, "missing"):
-            continue
-        was = json.dumps(saved[key]) if key in saved else "missing"
-        raise UserError(
-            f"{path}: {option} is {was}, which the command line reads as "
-            f"{json.dumps(value)}; start a new --out")
-    args.out = RUN["out"] = folder
+    args = parser.parse_args(argv, kept)  # argparse: kept, then argv
+    args.resume = args.out = RUN["out"] = folder
     return args
 
 
-def read_config(folder, script):
-    """folder/config.json -> its script, command line, arguments.
-    Another script's run is named before its command line is read."""
-    try:
-        path = os.path.join(folder, "config.json")
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-        made_by = config["script"]
-        if made_by != script:
-            return made_by, None, None
-        argv = [str(a) for a in config["argv"]]
-        return made_by, argv, dict(config["args"])
-    except (OSError, ValueError, TypeError, KeyError):
-        # ValueError: not JSON, or not UTF-8; the others: not a config.
-        raise UserError(
-            f"{folder}: no readable config.json with its command line "
-            f"there; give a run folder of this project") from None
-
-
 def continues(out, argv, script):
-    """Whether a new run continues the one in `out`: its command's,
-    checkpointed (not yet: it starts again); another's is refused."""
+    """Does `out` hold this command's run, checkpointed? Another
+    command's is refused; a finished one ends this process."""
     held = os.listdir(out) if os.path.isdir(out) else []
     if "config.json" not in held:
         return False
-    made_by, recorded, _ = read_config(out, script)
+    try:
+        with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        theirs = shlex.join([f"{config['script']}.py", *config["argv"]])
+    except (OSError, ValueError, TypeError, KeyError):
+        raise UserError(f"{out} holds no readable config.json: "
+                        f"choose another --out") from None
     ours = shlex.join([f"{script}.py", *argv])
-    theirs = shlex.join([f"{made_by}.py", *(recorded or [])])
     if ours != theirs:
         raise UserError(
             f"--out {out} holds the run of `{theirs}`, not `{ours}`: run "
@@ -1240,22 +1219,8 @@ def continues(out, argv, script):
             print(f"{out} is finished (results.json); --resume {out} "
                   f"evaluates it again", file=sys.stderr)
         sys.exit(0)
+    # No checkpoint yet (its first epoch failed): it starts again.
     return "checkpoint.pt" in held
-
-
-def parse(parser, argv, path=None):
-    """Parse argv, crop scale checked; with `path`, a failure is one line."""
-    def refuse(message):
-        raise UserError(f"{path}: its command line fails the check "
-                        f"({message}); start a new --out")
-    if path:  # (parse_args builds its parser anew)
-        parser.error = refuse
-    args = parser.parse_args(argv)
-    scale = args.crop_scale
-    if scale and not 0 < scale[0] <= scale[1] <= 1:
-        raise UserError(f"--crop-scale {' '.join(map(str, scale))}: need "
-                        f"0 < MIN <= MAX <= 1")
-    return args
 
 
 def setup(args):
@@ -1286,8 +1251,6 @@ def setup(args):
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo",
                                 device_id=device if cuda else None)
-        # checkpoint_due's flag, a CPU tensor: gloo beside NCCL
-        RUN["group"] = dist.new_group(backend="gloo") if cuda else None
     amp = cuda and args.amp  # unset: where the GPU has native bf16
     if cuda and args.amp is None:
         amp = torch.cuda.is_bf16_supported(including_emulation=False)
@@ -1370,17 +1333,198 @@ def one_line(record, spec):
                      f"{k} {v}" for k, v in record.items())
 
 
-def log_epoch(ctx, record):
-    """The epoch's line into RUN's metrics, metrics.jsonl, stdout."""
-    RUN["metrics"].append(record)
-    if ctx.rank != 0:
-        return
-    # All lines: a resume's are the checkpoint's (a later one goes).
-    lines = "".join(json.dumps(r) + "\n" for r in RUN["metrics"])
-    write_atomic(os.path.join(ctx.out, "metrics.jsonl"), lines.encode())
-    ctx.print(one_line(record, ".4g"))
+class Run:
+    """The run folder and the loop's bookkeeping: where training
+    starts, each epoch's batches and draws, its checkpoints, its
+    end (kNN, log line) and the run's end (results.json).
+
+    `states`: what checkpoint.pt keeps, by name (None: a part
+    this method lacks); `probes`: OnlineProbes by name."""
+
+    def __init__(self, args, ctx, data, backbone, probes, **states):
+        self.args = args
+        self.ctx = ctx
+        self.data = data
+        self.backbone = backbone
+        self.probes = probes
+        self.states = {k: s for k, s in {**states, **probes}.items()
+                       if s is not None}
+        self.epoch = 0  # where training starts: `step` into `epoch`
+        self.step = 0
+        self.resumed = {}  # a mid-epoch checkpoint's draws, sums
+        self.metrics = []  # the epochs' records
+        self.steps = len(data) // args.batch_size  # an epoch's
+        where = "generated" if args.dataset == "textures" else args.data_dir
+        held = "streamed" if data.streaming else "held"
+        size = sum(p.numel() for p in backbone.parameters())
+        ctx.print(
+            f"run {ctx.out}  data {args.dataset} ({where}, {held})  train "
+            f"{len(data)}  classes {data.num_classes}  image "
+            f"{data.image_size} px  device {ctx.device}  processes "
+            f"{ctx.world}  backbone {args.arch} width {args.width}: "
+            f"{size:,} parameters")
+        if 0 < args.epochs <= args.warmup_epochs:
+            ctx.print(f"warning: --epochs {args.epochs} is not more than "
+                      f"--warmup-epochs {args.warmup_epochs}: the learning "
+                      f"rate never reaches its peak", sys.stderr)
+        if ctx.rank == 0:  # now that all is ready: no failed start's
+            os.makedirs(ctx.out, exist_ok=True)
+            hold_run_folder(ctx.out)
+        if args.resume:
+            self.load()
+        elif ctx.rank == 0:
+            self.write_config()
+
+    def write_config(self):
+        """config.json: the command line, options, versions."""
+        here = os.path.dirname(os.path.abspath(__file__))
+        git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here,
+                             capture_output=True, text=True)
+        versions = dict(python=sys.version.split()[0], torch=torch.__version__,
+                        git_commit=git.stdout.strip() or None)
+        config = dict(script=RUN["script"], argv=RUN["argv"],
+                      args=vars(self.args), world_size=self.ctx.world,
+                      versions=versions)
+        write_atomic(os.path.join(self.ctx.out, "metrics.jsonl"), b"")
+        write_atomic(os.path.join(self.ctx.out, "config.json"),
+                     json.dumps(config, indent=2).encode())
+
+    def load(self):
+        """checkpoint.pt's states, epoch, step and metrics."""
+        path = os.path.join(self.ctx.out, "checkpoint.pt")
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            kept = saved.keys() - CHECKPOINT_KEYS
+            missing = ", ".join(sorted(self.states.keys() - kept)) or "none"
+            left_over = ", ".join(sorted(kept - self.states.keys())) or "none"
+            if kept != self.states.keys():  # named, not a KeyError
+                raise UserError(
+                    f"{path} does not fit this run (states missing: "
+                    f"{missing}; left over: {left_over}); start a new --out")
+            for name, state in self.states.items():
+                state.load_state_dict(saved[name])
+        except UserError:
+            raise
+        except Exception as error:
+            why = " ".join(str(error).split())[:120]
+            raise UserError(
+                f"{path} does not fit this run or is unreadable "
+                f"({type(error).__name__}: {why}); start a new --out") from None
+        self.epoch = saved["epoch"]
+        self.step = saved.get("step", 0)
+        self.metrics = saved["metrics"]
+        self.resumed = saved
+        device = saved.get("device", self.ctx.device.type)
+        if self.step and device != self.ctx.device.type:
+            # Its random draws continue only on a generator alike.
+            raise UserError(
+                f"{path} stopped in epoch {self.epoch + 1} on {device}; "
+                f"continue it with --device {device}")
+        self.ctx.print(f"continuing {self.ctx.out} from epoch "
+                       f"{self.epoch + 1} step {self.step}")
+
+    def epochs(self):
+        """The epochs to train: from the checkpoint's to --epochs,
+        or to --stop-after if the run has not passed it."""
+        end = self.args.epochs
+        if self.epoch < (self.args.stop_after or 0):
+            end = min(end, self.args.stop_after)
+        return range(self.epoch, end)
+
+    def batches(self, epoch):
+        """This epoch's steps -> (step, images, labels), from the
+        step its checkpoint reached, with a checkpoint after every
+        --checkpoint-every steps. Meanwhile self.order (CPU: order,
+        pairings) and self.draws (views) are the epoch's generators,
+        self.meter its EpochMeter."""
+        args = self.args
+        first = self.step if epoch == self.epoch else 0
+        self.order, self.draws = epoch_generators(
+            args.seed, epoch, self.ctx.device)
+        self.meter = EpochMeter(self.ctx, epoch, args.epochs,
+                                self.steps, args.batch_size)
+        batches = train_batches(self.data, args.batch_size, self.order,
+                                self.ctx, args.workers, first)
+        if first:  # the draws go on from the checkpoint's step
+            for generator, state in zip((self.order, self.draws),
+                                        self.resumed["generators"]):
+                generator.set_state(state)
+            self.meter.load_state_dict(self.resumed["meter"])
+        for step, (images, labels) in enumerate(batches, first):
+            yield step, images, labels
+            done = step + 1
+            if done % args.checkpoint_every == 0 and done < self.steps:
+                self.save(epoch, done)
+
+    def save(self, epoch, step=0):
+        """checkpoint.pt: the states, `epoch` epochs done and the
+        metrics; `step` steps into the next, also its draws and sums,
+        for the next step to draw as if never stopped."""
+        mid_epoch = {}
+        if step:
+            generators = [g.get_state() for g in (self.order, self.draws)]
+            mid_epoch = dict(step=step, meter=self.meter.state_dict(),
+                             generators=generators,
+                             device=self.ctx.device.type)
+        if self.ctx.rank != 0:
+            return
+        states = {k: s.state_dict() for k, s in self.states.items()}
+        checkpoint = dict(script=RUN["script"], args=vars(self.args),
+                          epoch=epoch, metrics=self.metrics,
+                          **mid_epoch, **states)
+        write_atomic(os.path.join(self.ctx.out, "checkpoint.pt"), checkpoint)
+
+    def end_epoch(self, record):
+        """The epoch's record, checked; the kNN monitor (and probes)
+        every --eval-every epochs and after the last; its line in
+        metrics.jsonl and on stdout; checkpoint.pt."""
+        check_finite(record)
+        done = record["epoch"]
+        if done % self.args.eval_every == 0 or done == self.args.epochs:
+            record.update(evaluate(self.backbone, self.data, self.ctx,
+                                   self.args, probes=self.probes))
+        self.metrics.append(record)
+        self.epoch = done
+        self.step = 0
+        if self.ctx.rank == 0:
+            # All lines: a resume's are the checkpoint's.
+            lines = "".join(json.dumps(r) + "\n" for r in self.metrics)
+            write_atomic(os.path.join(self.ctx.out, "metrics.jsonl"),
+                         lines.encode())
+            self.ctx.print(one_line(record, ".4g"))
+        self.save(done)
+
+    def finish(self):
+        """The final evaluation: backbone.pt (torchvision's names),
+        results.json (or eval-<time>.json when evaluated again). Or,
+        stopped by --stop-after, how to continue."""
+        ctx = self.ctx
+        if self.epoch < self.args.epochs:
+            ctx.print(f"stopped after epoch {self.epoch}: continue with "
+                      f"--resume {ctx.out}")
+            return
+        results = evaluate(self.backbone, self.data, ctx, self.args,
+                           final=True, probes=self.probes)
+        if ctx.rank != 0:
+            return
+        path = os.path.join(ctx.out, "results.json")
+        if os.path.exists(path):  # evaluated again
+            name = f"eval-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"
+            path = os.path.join(ctx.out, name)
+        weights = os.path.join(ctx.out, "backbone.pt")
+        if not os.path.exists(weights):  # first finish, or deleted
+            state = self.backbone.state_dict()
+            write_atomic(weights, {k: v.cpu() for k, v in state.items()})
+        write_atomic(path, json.dumps(results, indent=2).encode())
+        lock = LOCKS.pop(os.path.realpath(ctx.out), None)
+        if lock:
+            lock.close()  # which drops its flock
+        ctx.print(f"final: {one_line(results, '.2f')}\nwritten to {path}")
 
 
+# What a checkpoint holds beside the states
+CHECKPOINT_KEYS = {"script", "args", "epoch", "metrics", "step", "meter",
+                   "generators", "device"}
 LOCKS = {}  # run folder (real path) -> its OUT/.lock, flock held
 
 
@@ -1427,163 +1571,6 @@ def write_atomic(path, data):
             os.remove(temp)
 
 
-def start_run(args, ctx, data, backbone):
-    """Say what runs where; a new run takes its folder (the lock), writes
-    config.json. Called when all is ready: a failed start leaves none."""
-    where = "generated" if args.dataset == "textures" else args.data_dir
-    held = "streamed" if data.streaming else "held"
-    val = data.eval_test if data.streaming else data.eval_test[1]
-    size = sum(p.numel() for p in backbone.parameters())
-    ctx.print(
-        f"run {ctx.out}  data {args.dataset} ({where}, {held})  train "
-        f"{len(data)}  val {len(val)}  classes {data.num_classes}  image "
-        f"{data.image_size} px  device {ctx.device}  processes {ctx.world}"
-        f"  backbone {args.arch} width {args.width}: {size:,} parameters")
-    if 0 < args.epochs <= args.warmup_epochs:
-        # The lr ends at epochs / warm-up of its peak.
-        ctx.print(f"warning: --epochs {args.epochs} is not more than "
-                  f"--warmup-epochs {args.warmup_epochs}: the learning "
-                  f"rate never reaches its peak", sys.stderr)
-    RUN["saved"] = time.monotonic()  # checkpoint_due's clock
-    if ctx.rank != 0 or args.resume:
-        return
-    os.makedirs(ctx.out, exist_ok=True)
-    # No other run can begin here now (continues() let this one).
-    hold_run_folder(ctx.out)
-    # An --epochs 0 run's stays empty.
-    write_atomic(os.path.join(ctx.out, "metrics.jsonl"), b"")
-    here = os.path.dirname(os.path.abspath(__file__))
-    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here,
-                         capture_output=True, text=True)
-    versions = dict(python=sys.version.split()[0], torch=torch.__version__,
-                    git_commit=git.stdout.strip() or None)
-    config = dict(script=RUN["script"], argv=RUN["argv"], args=vars(args),
-                  world_size=ctx.world, versions=versions)
-    write_atomic(os.path.join(ctx.out, "config.json"),
-                 json.dumps(config, indent=2).encode())
-
-
-def save_checkpoint(ctx, epoch, states, step=0, meter=None, generators=()):
-    """checkpoint.pt: the epochs done, metrics' lines, state_dicts;
-    `step` steps into the next, also its meter's sums and generators'
-    states, for the next step to draw as if never stopped."""
-    RUN["saved"] = time.monotonic()
-    mid_epoch = {}
-    if step:
-        mid_epoch = dict(step=step, meter=meter.state_dict(),
-                         generators=[g.get_state() for g in generators])
-    if ctx.rank != 0:
-        return
-    saved = {name: state.state_dict() for name, state in states.items()
-             if state is not None}  # None: a part this model lacks
-    checkpoint = {"epoch": epoch, "metrics": RUN["metrics"],
-                  **mid_epoch, **saved}
-    write_atomic(os.path.join(ctx.out, "checkpoint.pt"), checkpoint)
-
-
-@dataclass
-class Start:
-    """Where training starts: `step` steps into `epoch`; from a
-    mid-epoch checkpoint, also its generators' and meter's states."""
-    epoch: int = 0
-    step: int = 0
-    generators: list = None
-    meter: dict = None
-
-    def step_in(self, epoch):
-        return self.step if epoch == self.epoch else 0
-
-    def restore(self, epoch, meter, *generators):
-        """After train_batches drew the epoch's order: the step's
-        draws (GSG's pairings replay) and the meter's sums."""
-        if self.step_in(epoch):
-            for generator, state in zip(generators, self.generators):
-                generator.set_state(state)
-            meter.load_state_dict(self.meter)
-
-
-def load_checkpoint(ctx, states):
-    """Take the run folder (its lock), load checkpoint.pt -> Start."""
-    if ctx.rank == 0:
-        hold_run_folder(ctx.out)
-    path = os.path.join(ctx.out, "checkpoint.pt")
-    states = {k: s for k, s in states.items() if s is not None}
-    try:
-        # Missing (epoch 1 never ended), truncated, not a dict, ...
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-        saved = checkpoint.keys() - {"epoch", "metrics", *MID_EPOCH}
-        missing = ", ".join(sorted(states.keys() - saved)) or "none"
-        left_over = ", ".join(sorted(saved - states.keys())) or "none"
-        if saved != states.keys():  # named: not a KeyError, nor unsaid
-            raise UserError(
-                f"{path} does not fit this run (states missing: "
-                f"{missing}; left over: {left_over}); start a new --out")
-        for name, state in states.items():
-            state.load_state_dict(checkpoint[name])
-        start = Start(int(checkpoint["epoch"]), checkpoint.get("step", 0),
-                      checkpoint.get("generators"), checkpoint.get("meter"))
-        RUN["metrics"] = checkpoint["metrics"]
-    except UserError:
-        raise
-    except Exception as error:
-        why = " ".join(str(error).split())[:120]
-        raise UserError(
-            f"{path} does not fit this run or is unreadable "
-            f"({type(error).__name__}: {why}); start a new --out") from None
-    ctx.print(f"continuing {ctx.out} from epoch {start.epoch + 1} step "
-              f"{start.step} ({RUN['how']})")
-    return start
-
-
-MID_EPOCH = ("step", "generators", "meter")  # a mid-epoch checkpoint's
-AGAIN = "run the same command again to continue"
-
-
-def checkpoint_due(ctx, args):
-    """Is a checkpoint due after this step? At a SIGTERM or SIGUSR1 on
-    any rank (RUN["stop"]), or --checkpoint-minutes on rank 0's clock;
-    all agree by a gloo all_reduce of a CPU int (no GPU sync)."""
-    due = RUN["signal"]
-    minutes = (time.monotonic() - RUN["saved"]) / 60
-    if ctx.rank == 0 and 0 < args.checkpoint_minutes <= minutes:
-        due = max(due, 1)  # below every signal's number
-    if ctx.world > 1:
-        due = torch.tensor(due)
-        dist.all_reduce(due, dist.ReduceOp.MAX, group=RUN["group"])
-        due = int(due)
-    RUN["stop"] = due if due > 1 else 0
-    return due > 0
-
-
-def stop_if_signalled(ctx, epoch, step, steps):
-    """After checkpoint_due's checkpoint, a signal's: the run ends
-    with exit status 75 (EX_TEMPFAIL, "try again")."""
-    if RUN["stop"]:
-        name = signal.Signals(RUN["stop"]).name
-        ctx.print(f"preempted ({name}) in epoch {epoch + 1} at step {step} "
-                  f"of {steps}: checkpoint.pt written; {AGAIN}", sys.stderr)
-        sys.exit(75)
-
-
-def finish(ctx, backbone, results):
-    """backbone.pt (torchvision's names); results.json, or eval-<time>.json."""
-    if ctx.rank != 0:
-        return
-    path = os.path.join(ctx.out, "results.json")
-    if os.path.exists(path):  # evaluated again
-        name = f"eval-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"
-        path = os.path.join(ctx.out, name)
-    weights = os.path.join(ctx.out, "backbone.pt")
-    if not os.path.exists(weights):  # first finish, or deleted
-        state = backbone.state_dict()
-        write_atomic(weights, {k: v.cpu() for k, v in state.items()})
-    write_atomic(path, json.dumps(results, indent=2).encode())
-    lock = LOCKS.pop(os.path.realpath(ctx.out), None)
-    if lock:
-        lock.close()  # which drops its flock
-    ctx.print(f"final: {one_line(results, '.2f')}\nwritten to {path}")
-
-
 # ------------------------------------------------------------------------ data
 STATS = {  # (mean, std) per channel
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
@@ -1615,7 +1602,8 @@ class Data:
 
 
 def load_data(args, ctx, crops=2):
-    """--dataset as Data; `crops`: random crops per streamed image."""
+    """--dataset as Data, its image size into args.image_size;
+    `crops`: random crops per streamed image."""
     mean, std = STATS.get(args.dataset, STATS["imagefolder"])
     sizes = {"cifar10": 32, "cifar100": 32, "stl10": 96, "textures": 20}
     size = sizes.get(args.dataset, args.image_size or 224)
@@ -1643,6 +1631,7 @@ def load_data(args, ctx, crops=2):
     if len(data) < args.batch_size:
         raise UserError(f"--batch-size {args.batch_size}: only {len(data)} "
                         f"training images")
+    args.image_size = size  # what the recipes and config.json read
     return data
 
 

@@ -322,24 +322,20 @@ def recipes(args):
 
 # ------------------------------ main loop
 def main(argv=None):
-    # shared: the options and this process
+    # shared: the options, this process, the data, one seed
     args = parse_args(argv)
     ctx = common.setup(args)
-
-    # own: the data (CIFAR-100 with the DT fork's CIFAR-10 stats)
     data = common.load_data(args, ctx)
+    torch.manual_seed(args.seed)  # the same model on every rank
+
+    # own: the encoder, the key encoder, the queues; CIFAR-100
+    # with the DT fork's CIFAR-10 statistics
     if args.dataset == "cifar100":
         data.mean, data.std = common.STATS["cifar10"]
-
-    # shared: the image size; the same initial model on every rank
-    args.image_size = data.image_size
-    torch.manual_seed(args.seed)
-
-    # own: the encoder, the key encoder, the queues
     model = Encoder(args.arch, args.width, data.image_size,
-                    args.proj_hidden, args.proj_dim, args.stem_padding)
-    model = model.to(ctx.device)
-    backbone = model.backbone
+                    args.proj_hidden, args.proj_dim,
+                    args.stem_padding).to(ctx.device)
+    net = common.distribute(model, ctx)  # `model` stays bare
     key_encoder = None
     if args.method != "simco":
         # Global BatchNorm, so no shuffle-BN.
@@ -350,99 +346,46 @@ def main(argv=None):
         n_queues = 2 if args.symmetric else 1
         queues = nn.ModuleList(
             KeyQueue(args.queue_size, args.proj_dim, args.seed + i)
-            for i in range(n_queues))
-        queues = queues.to(ctx.device)
+            for i in range(n_queues)).to(ctx.device)
 
-    # shared: global BatchNorm and DDP; `model` stays bare
-    net = common.distribute(model, ctx)
-    if args.compile:
-        net = torch.compile(net)
+    # own: the optimiser, the probes, the augmentation
     peak_lr = args.lr * args.batch_size / 256
-
-    # own: --compile, the loss too (train_step calls it by name)
-    if args.compile:
-        global dual_temperature_loss
-        dual_temperature_loss = torch.compile(dual_temperature_loss)
-
-    # own: the optimiser, the probes, what a checkpoint keeps
     optimizer = common.pretraining_optimizer(
         model.parameters(), args, ctx, peak_lr)
-    probes = common.online_probes(args, data, ctx, backbone, key_encoder)
-    states = {"model": model, "optimizer": optimizer,
-              "key_encoder": key_encoder, "queues": queues, **probes}
-
-    # shared: the probes, resume, the run folder, augmentation
-    for probe in probes.values():
-        # A hook hands it the features train_step makes.
-        probe.backbone.register_forward_hook(probe.keep)
-    start = common.Start()  # epoch 0, step 0
-    if args.resume:
-        start = common.load_checkpoint(ctx, states)
-    common.start_run(args, ctx, data, backbone)
+    probes = common.online_probes(args, data, ctx, model.backbone,
+                                  key_encoder)
     augment = common.Augment(recipes(args), data.image_size,
                              data.mean, data.std, ctx)
-    if args.compile:
+    if args.compile:  # the loss stays as written
+        net = torch.compile(net)
         augment = torch.compile(augment)
-    steps = len(data) // args.batch_size
 
-    for epoch in range(start.epoch, args.epochs):
-        # shared: this epoch's order and draws, its progress bar,
-        # from the step a mid-epoch checkpoint reached
-        order, generator = common.epoch_generators(
-            args.seed, epoch, ctx.device)
-        meter = common.EpochMeter(ctx, epoch, args.epochs,
-                                  steps, args.batch_size)
-        first_step = start.step_in(epoch)
-        batches = common.train_batches(data, args.batch_size, order,
-                                       ctx, args.workers, first_step)
-        start.restore(epoch, meter, order, generator)
-        for step, (images, labels) in enumerate(batches, first_step):
+    # shared: the run folder; a checkpoint there is continued
+    run = common.Run(args, ctx, data, model.backbone, probes,
+                     model=model, optimizer=optimizer,
+                     key_encoder=key_encoder, queues=queues)
+    for epoch in run.epochs():
+        for step, images, labels in run.batches(epoch):
             # own: the schedule, the augmented views, the step
             lr = common.learning_rate(
-                epoch * steps + step, args.epochs * steps,
-                args.warmup_epochs * steps, peak_lr)
+                epoch * run.steps + step, args.epochs * run.steps,
+                args.warmup_epochs * run.steps, peak_lr)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            views = augment(images, generator)
+            views = augment(images, run.draws)
             loss, (w_alpha, w_beta, entropy) = train_step(
                 net, optimizer, views, args, ctx, key_encoder, queues)
-
-            # shared: the probes learn from this step's features
             for probe in probes.values():
                 probe.step(labels, lr / peak_lr)
+            # the anchors' weights, how unequal (DT Eq. 4, Fig. 3)
+            run.meter.update(lr, loss=loss, w_alpha=w_alpha,
+                             w_beta=w_beta, r_plus_entropy=entropy)
 
-            # own: the epoch's means of the loss, the anchors' weights
-            # and how unequal they are (DT Eq. 4, Fig. 3)
-            meter.update(lr, loss=loss, w_alpha=w_alpha,
-                         w_beta=w_beta, r_plus_entropy=entropy)
-
-            # shared: SIGTERM, SIGUSR1 (which end the run) or
-            # --checkpoint-minutes: a checkpoint after this step
-            if common.checkpoint_due(ctx, args):
-                common.save_checkpoint(ctx, epoch, states, step + 1,
-                                       meter, (order, generator))
-                common.stop_if_signalled(ctx, epoch, step + 1, steps)
-
-        # shared: the epoch's means, checked
-        record = meter.summary()
-        common.check_finite(record)
-
-        # shared: the kNN monitor, the log, the checkpoint
-        done = epoch + 1
-        if done % args.eval_every == 0 or done == args.epochs:
-            record.update(common.evaluate(
-                backbone, data, ctx, args, probes=probes))
-        common.log_epoch(ctx, record)
-        common.save_checkpoint(ctx, done, states)
-        if done == args.stop_after and done < args.epochs:
-            ctx.print(f"stopped after epoch {done}: "
-                      f"continue with --resume {ctx.out}")
-            return
+        # shared: the kNN monitor, the log line, the checkpoint
+        run.end_epoch(run.meter.summary())
 
     # shared: the final evaluation, backbone.pt, results.json
-    results = common.evaluate(backbone, data, ctx, args,
-                              final=True, probes=probes)
-    common.finish(ctx, backbone, results)
+    run.finish()
 
 
 if __name__ == "__main__":

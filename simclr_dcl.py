@@ -214,117 +214,57 @@ def recipes(args):
 
 # ---------------------------------------- main loop
 def main(argv=None):
-    # shared: the options and this process
+    # shared: the options, this process, the data, one seed
     args = parse_args(argv)
     ctx = common.setup(args)
-
-    # own: the data, one image a row
     data = common.load_data(args, ctx)
+    torch.manual_seed(args.seed)  # the same model on every rank
 
-    # shared: the image size; the same initial model on every rank
-    args.image_size = data.image_size
-    torch.manual_seed(args.seed)
-
-    # own: SimCLR's network
+    # own: SimCLR's network, optimiser and augmentation
     model = SimCLR(args.arch, args.width, data.image_size,
                    args.proj_hidden, args.proj_dim,
-                   args.stem_padding)
-    model = model.to(ctx.device)
-    backbone = model.backbone
-
-    # shared: global BatchNorm and DDP; `model` stays bare
-    net = common.distribute(model, ctx)
-    if args.compile:
-        net = torch.compile(net)
+                   args.stem_padding).to(ctx.device)
+    net = common.distribute(model, ctx)  # `model` stays bare
     peak_lr = args.lr * args.batch_size / 256
-
-    # own: --compile, the loss too (train_step calls it by name)
-    if args.compile:
-        global contrastive_loss
-        contrastive_loss = torch.compile(contrastive_loss)
-
-    # own: the optimiser, the probes, what a checkpoint keeps
     optimizer = common.pretraining_optimizer(
         model.parameters(), args, ctx, peak_lr)
-    probes = common.online_probes(args, data, ctx, backbone)
-    states = {"model": model, "optimizer": optimizer, **probes}
-
-    # shared: the probes, resume, the run folder, augmentation
-    for probe in probes.values():
-        # A hook hands it the features train_step makes.
-        probe.backbone.register_forward_hook(probe.keep)
-    start = common.Start()  # epoch 0, step 0
-    if args.resume:
-        start = common.load_checkpoint(ctx, states)
-    common.start_run(args, ctx, data, backbone)
+    probes = common.online_probes(args, data, ctx, model.backbone)
     augment = common.Augment(recipes(args), data.image_size,
                              data.mean, data.std, ctx)
-    if args.compile:
+    if args.compile:  # the loss stays as written
+        net = torch.compile(net)
         augment = torch.compile(augment)
-    steps = len(data) // args.batch_size
 
-    for epoch in range(start.epoch, args.epochs):
-        # shared: this epoch's order and draws, its progress bar,
-        # from the step a mid-epoch checkpoint reached
-        order, generator = common.epoch_generators(
-            args.seed, epoch, ctx.device)
-        meter = common.EpochMeter(ctx, epoch, args.epochs,
-                                  steps, args.batch_size)
-        first_step = start.step_in(epoch)
-        batches = common.train_batches(data, args.batch_size, order,
-                                       ctx, args.workers, first_step)
-        start.restore(epoch, meter, order, generator)
-        for step, (images, labels) in enumerate(batches, first_step):
+    # shared: the run folder; a checkpoint there is continued
+    run = common.Run(args, ctx, data, model.backbone, probes,
+                     model=model, optimizer=optimizer)
+    for epoch in run.epochs():
+        for step, images, labels in run.batches(epoch):
             # own: the schedule, the augmented views, the step
             lr = common.learning_rate(
-                epoch * steps + step, args.epochs * steps,
-                args.warmup_epochs * steps, peak_lr)
+                epoch * run.steps + step, args.epochs * run.steps,
+                args.warmup_epochs * run.steps, peak_lr)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            views = augment(images, generator)
+            views = augment(images, run.draws)
             loss, q = train_step(net, optimizer, views, args, ctx)
-
-            # shared: the probes learn from this step's features
             for probe in probes.values():
                 probe.step(labels, lr / peak_lr)
-
-            # own: the epoch's means of the loss and of q_B
-            meter.update(lr, loss=loss, npc_mean=q.mean(),
-                         npc_sq=(q * q).mean())
-
-            # shared: SIGTERM, SIGUSR1 (which end the run) or
-            # --checkpoint-minutes: a checkpoint after this step
-            if common.checkpoint_due(ctx, args):
-                common.save_checkpoint(ctx, epoch, states, step + 1,
-                                       meter, (order, generator))
-                common.stop_if_signalled(ctx, epoch, step + 1, steps)
-
-        # shared: the epoch's means, checked
-        record = meter.summary()
-        common.check_finite(record)
+            run.meter.update(lr, loss=loss, npc_mean=q.mean(),
+                             npc_sq=(q * q).mean())
 
         # own: DCL Fig. 1, the mean NPC multiplier <q_B> and
         # its coefficient of variation
+        record = run.meter.summary()
         npc_mean = record["npc_mean"]
         npc_var = max(record.pop("npc_sq") - npc_mean ** 2, 0)
         record["npc_cv"] = math.sqrt(npc_var) / npc_mean
 
-        # shared: the kNN monitor, the log, the checkpoint
-        done = epoch + 1
-        if done % args.eval_every == 0 or done == args.epochs:
-            record.update(common.evaluate(
-                backbone, data, ctx, args, probes=probes))
-        common.log_epoch(ctx, record)
-        common.save_checkpoint(ctx, done, states)
-        if done == args.stop_after and done < args.epochs:
-            ctx.print(f"stopped after epoch {done}: "
-                      f"continue with --resume {ctx.out}")
-            return
+        # shared: the kNN monitor, the log line, the checkpoint
+        run.end_epoch(record)
 
     # shared: the final evaluation, backbone.pt, results.json
-    results = common.evaluate(backbone, data, ctx, args,
-                              final=True, probes=probes)
-    common.finish(ctx, backbone, results)
+    run.finish()
 
 
 if __name__ == "__main__":

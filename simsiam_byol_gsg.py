@@ -308,145 +308,88 @@ def recipes(args):
     return [crop] * (2 if args.stopgrad == "symmetric" else 4)
 
 
+def parameter_groups(model, args):
+    """The optimiser's groups; --fix-pred-lr keeps the predictor's
+    at the peak lr (facebookresearch/simsiam main_simsiam.py)."""
+    return [
+        {"params": model.encoder.parameters(), "fix_lr": False},
+        {"params": model.predictor.parameters(), "fix_lr": args.fix_pred_lr},
+    ]
+
+
+def case_shares(case):
+    """GSG's case per image (B,) -> each case's share (Eq. 5), by
+    its metrics name; one-hot, as a bincount would sync the host."""
+    counts = F.one_hot(case, 4).float().mean(0)  # (4,)
+    return {f"case_{name}": counts[c] for c, name in enumerate(CASES)}
+
+
 # ---------------------------------------- main loop
 def main(argv=None):
-    # shared: the options and this process
+    # shared: the options, this process, the data, one seed
     args = parse_args(argv)
     ctx = common.setup(args)
-
-    # own: the data, an image's crops a row: 2, or GSG's 4
-    crops = 2 if args.stopgrad == "symmetric" else 4
+    crops = 2 if args.stopgrad == "symmetric" else 4  # GSG's 4
     data = common.load_data(args, ctx, crops=crops)
-
-    # shared: the image size; the same initial model on every rank
-    args.image_size = data.image_size
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # the same model on every rank
 
     # own: the online network; BYOL's target
     model = SiameseNet(
         args.arch, args.width, data.image_size, args.proj_hidden,
         args.proj_dim, args.pred_hidden, not args.no_predictor,
-        args.proj_layers, args.stem_padding)
-    model = model.to(ctx.device)
-    backbone = model.encoder.backbone
+        args.proj_layers, args.stem_padding).to(ctx.device)
+    net = common.distribute(model, ctx)  # `model` stays bare
     target = None
     if args.method == "byol":
         target = momentum_encoder(model.encoder, ctx)
 
-    # shared: global BatchNorm and DDP; `model` stays bare
-    net = common.distribute(model, ctx)
-    if args.compile:
-        net = torch.compile(net)
+    # own: the optimiser, the probes, the augmentation
     peak_lr = args.lr * args.batch_size / 256
-
-    # own: --compile, the loss too (train_step calls it by name)
-    if args.compile:
-        global symmetric_loss, guided_stopgrad_loss
-        symmetric_loss = torch.compile(symmetric_loss)
-        guided_stopgrad_loss = torch.compile(guided_stopgrad_loss)
-
-    # own: the optimiser, the probes, what a checkpoint keeps
-    # --fix-pred-lr keeps the predictor's group at peak_lr
-    # (facebookresearch/simsiam main_simsiam.py).
-    groups = [
-        {"params": model.encoder.parameters(), "fix_lr": False},
-        {"params": model.predictor.parameters(), "fix_lr": args.fix_pred_lr},
-    ]
-    optimizer = common.pretraining_optimizer(groups, args, ctx, peak_lr)
-    probes = common.online_probes(args, data, ctx, backbone, target)
-    states = {"model": model, "optimizer": optimizer,
-              "target": target, **probes}
-
-    # shared: the probes, resume, the run folder, augmentation
-    for probe in probes.values():
-        # A hook hands it the features train_step makes.
-        probe.backbone.register_forward_hook(probe.keep)
-    start = common.Start()  # epoch 0, step 0
-    if args.resume:
-        start = common.load_checkpoint(ctx, states)
-    common.start_run(args, ctx, data, backbone)
+    optimizer = common.pretraining_optimizer(
+        parameter_groups(model, args), args, ctx, peak_lr)
+    probes = common.online_probes(args, data, ctx, model.encoder.backbone,
+                                  target)
     augment = common.Augment(recipes(args), data.image_size,
                              data.mean, data.std, ctx)
-    if args.compile:
+    if args.compile:  # the loss stays as written
+        net = torch.compile(net)
         augment = torch.compile(augment)
-    steps = len(data) // args.batch_size
 
-    for epoch in range(start.epoch, args.epochs):
-        # shared: this epoch's order and draws, its progress bar,
-        # from the step a mid-epoch checkpoint reached
-        order, generator = common.epoch_generators(
-            args.seed, epoch, ctx.device)
-        meter = common.EpochMeter(ctx, epoch, args.epochs,
-                                  steps, args.batch_size)
-        first_step = start.step_in(epoch)
-        batches = common.train_batches(data, args.batch_size, order,
-                                       ctx, args.workers, first_step)
-        start.restore(epoch, meter, order, generator)
-        for step, (images, labels) in enumerate(batches, first_step):
+    # shared: the run folder; a checkpoint there is continued
+    run = common.Run(args, ctx, data, model.encoder.backbone, probes,
+                     model=model, optimizer=optimizer, target=target)
+    total_steps = args.epochs * run.steps
+    for epoch in run.epochs():
+        for step, images, labels in run.batches(epoch):
             # own: the schedules, the views, GSG's pairs, the step
-            global_step = epoch * steps + step
-            total_steps = args.epochs * steps
+            global_step = epoch * run.steps + step
             lr = common.learning_rate(
-                global_step, total_steps, args.warmup_epochs * steps,
+                global_step, total_steps, args.warmup_epochs * run.steps,
                 peak_lr, args.schedule)
             for group in optimizer.param_groups:
                 group["lr"] = peak_lr if group["fix_lr"] else lr
-            views = augment(images, generator)
-            # GSG's r(i), from the order's CPU generator
-            pairing = draw_pairing(args.batch_size, args.stopgrad, order, ctx)
+            views = augment(images, run.draws)
+            pairing = draw_pairing(args.batch_size, args.stopgrad,
+                                   run.order, ctx)  # GSG's r(i)
             tau = ema_momentum(
                 global_step, total_steps, args.ema, args.ema_schedule)
             loss, case, proj_std = train_step(
                 net, optimizer, views, args, ctx, pairing=pairing,
                 target=target, online=model.encoder, tau=tau)
-
-            # shared: the probes learn from this step's features
             for probe in probes.values():
                 probe.step(labels, lr / peak_lr)
-
-            # own: the epoch's means of the loss, the projection
-            # std and each case's share (Eq. 5)
             scalars = {"loss": loss, "proj_std": proj_std}
+            if target is not None:
+                scalars["ema"] = tau
             if case is not None:
-                # One-hot: a bincount would sync the host.
-                counts = F.one_hot(case, 4).float().mean(0)  # (4,)
-                for c, name in enumerate(CASES):
-                    scalars[f"case_{name}"] = counts[c]
-            meter.update(lr, **scalars)
+                scalars.update(case_shares(case))
+            run.meter.update(lr, **scalars)
 
-            # shared: SIGTERM, SIGUSR1 (which end the run) or
-            # --checkpoint-minutes: a checkpoint after this step
-            if common.checkpoint_due(ctx, args):
-                common.save_checkpoint(ctx, epoch, states, step + 1,
-                                       meter, (order, generator))
-                common.stop_if_signalled(ctx, epoch, step + 1, steps)
-
-        # shared: the epoch's means, checked
-        record = meter.summary()
-        common.check_finite(record)
-
-        # own: BYOL's tau at the epoch's last step
-        if target is not None:
-            record["ema"] = ema_momentum(
-                (epoch + 1) * steps - 1, args.epochs * steps, args.ema,
-                args.ema_schedule)
-
-        # shared: the kNN monitor, the log, the checkpoint
-        done = epoch + 1
-        if done % args.eval_every == 0 or done == args.epochs:
-            record.update(common.evaluate(
-                backbone, data, ctx, args, probes=probes))
-        common.log_epoch(ctx, record)
-        common.save_checkpoint(ctx, done, states)
-        if done == args.stop_after and done < args.epochs:
-            ctx.print(f"stopped after epoch {done}: "
-                      f"continue with --resume {ctx.out}")
-            return
+        # shared: the kNN monitor, the log line, the checkpoint
+        run.end_epoch(run.meter.summary())
 
     # shared: the final evaluation, backbone.pt, results.json
-    results = common.evaluate(backbone, data, ctx, args,
-                              final=True, probes=probes)
-    common.finish(ctx, backbone, results)
+    run.finish()
 
 
 if __name__ == "__main__":
