@@ -1339,9 +1339,9 @@ class Run:
     end (kNN, log line) and the run's end (results.json).
 
     `states`: what checkpoint.pt keeps, by name (None: a part
-    this method lacks); `probes`: OnlineProbes by name."""
+    this method lacks); `probes`: OnlineProbes by name, kept too."""
 
-    def __init__(self, args, ctx, data, backbone, probes, **states):
+    def __init__(self, args, ctx, data, backbone, probes, states):
         self.args = args
         self.ctx = ctx
         self.data = data
@@ -1473,6 +1473,11 @@ class Run:
                           epoch=epoch, metrics=self.metrics,
                           **mid_epoch, **states)
         write_atomic(os.path.join(self.ctx.out, "checkpoint.pt"), checkpoint)
+
+    def train_probes(self, labels, lr_scale):
+        """The online probes learn from this step's features."""
+        for probe in self.probes.values():
+            probe.step(labels, lr_scale)
 
     def end_epoch(self, record):
         """The epoch's record, checked; the kNN monitor (and probes)

@@ -322,19 +322,20 @@ def recipes(args):
 
 # ------------------------------ main loop
 def main(argv=None):
-    # shared: the options, this process, the data, one seed
+    # shared: the options, this process
     args = parse_args(argv)
     ctx = common.setup(args)
+
+    # own: the data (CIFAR-100 with the DT fork's CIFAR-10
+    # statistics), the encoder, the key encoder, the queues
     data = common.load_data(args, ctx)
     torch.manual_seed(args.seed)  # the same model on every rank
-
-    # own: the encoder, the key encoder, the queues; CIFAR-100
-    # with the DT fork's CIFAR-10 statistics
     if args.dataset == "cifar100":
         data.mean, data.std = common.STATS["cifar10"]
     model = Encoder(args.arch, args.width, data.image_size,
                     args.proj_hidden, args.proj_dim,
                     args.stem_padding).to(ctx.device)
+    backbone = model.backbone
     net = common.distribute(model, ctx)  # `model` stays bare
     key_encoder = None
     if args.method != "simco":
@@ -352,18 +353,18 @@ def main(argv=None):
     peak_lr = args.lr * args.batch_size / 256
     optimizer = common.pretraining_optimizer(
         model.parameters(), args, ctx, peak_lr)
-    probes = common.online_probes(args, data, ctx, model.backbone,
-                                  key_encoder)
+    probes = common.online_probes(args, data, ctx, backbone, key_encoder)
     augment = common.Augment(recipes(args), data.image_size,
                              data.mean, data.std, ctx)
     if args.compile:  # the loss stays as written
         net = torch.compile(net)
         augment = torch.compile(augment)
+    # what a checkpoint keeps
+    states = dict(model=model, optimizer=optimizer,
+                  key_encoder=key_encoder, queues=queues)
 
     # shared: the run folder; a checkpoint there is continued
-    run = common.Run(args, ctx, data, model.backbone, probes,
-                     model=model, optimizer=optimizer,
-                     key_encoder=key_encoder, queues=queues)
+    run = common.Run(args, ctx, data, backbone, probes, states)
     for epoch in run.epochs():
         for step, images, labels in run.batches(epoch):
             # own: the schedule, the augmented views, the step
@@ -375,13 +376,12 @@ def main(argv=None):
             views = augment(images, run.draws)
             loss, (w_alpha, w_beta, entropy) = train_step(
                 net, optimizer, views, args, ctx, key_encoder, queues)
-            for probe in probes.values():
-                probe.step(labels, lr / peak_lr)
+            run.train_probes(labels, lr / peak_lr)
             # the anchors' weights, how unequal (DT Eq. 4, Fig. 3)
             run.meter.update(lr, loss=loss, w_alpha=w_alpha,
                              w_beta=w_beta, r_plus_entropy=entropy)
 
-        # shared: the kNN monitor, the log line, the checkpoint
+        # own: the epoch's means, the kNN monitor, the log
         run.end_epoch(run.meter.summary())
 
     # shared: the final evaluation, backbone.pt, results.json

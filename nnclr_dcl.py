@@ -282,39 +282,40 @@ def recipes(args):
 
 # ---------------------------------------------------------- main loop
 def main(argv=None):
-    # shared: the options, this process, the data, one seed
+    # shared: the options, this process
     args = parse_args(argv)
     ctx = common.setup(args)
+
+    # own: the data, NNCLR's network, support set (a batch at
+    # least), optimiser, augmentation
     data = common.load_data(args, ctx)
     torch.manual_seed(args.seed)  # the same model on every rank
-
-    # own: --support-size holds a batch at least
     if args.support_size < args.batch_size:
         raise common.UserError(
             f"--support-size {args.support_size} is smaller than the global "
             f"batch {args.batch_size}; it must hold at least one batch")
-
-    # own: NNCLR's network, support set, optimiser, augmentation
     model = NNCLR(args.arch, args.width, data.image_size, args.proj_hidden,
                   args.proj_dim, args.pred_hidden,
                   args.stem_padding).to(ctx.device)
+    backbone = model.backbone
     net = common.distribute(model, ctx)  # `model` stays bare
     support_set = SupportSet(args.support_size, args.proj_dim, args.seed)
     support_set = support_set.to(ctx.device)
     peak_lr = args.lr * args.batch_size / 256
     optimizer = common.pretraining_optimizer(
         model.parameters(), args, ctx, peak_lr)
-    probes = common.online_probes(args, data, ctx, model.backbone)
+    probes = common.online_probes(args, data, ctx, backbone)
     augment = common.Augment(recipes(args), data.image_size,
                              data.mean, data.std, ctx)
     if args.compile:  # the loss stays as written
         net = torch.compile(net)
         augment = torch.compile(augment)
+    # what a checkpoint keeps
+    states = dict(model=model, optimizer=optimizer,
+                  support_set=support_set)
 
     # shared: the run folder; a checkpoint there is continued
-    run = common.Run(args, ctx, data, model.backbone, probes,
-                     model=model, optimizer=optimizer,
-                     support_set=support_set)
+    run = common.Run(args, ctx, data, backbone, probes, states)
     for epoch in run.epochs():
         for step, images, labels in run.batches(epoch):
             # own: the schedule, the augmented views, the step
@@ -326,8 +327,7 @@ def main(argv=None):
             views = augment(images, run.draws)
             loss, same_class, labelled = train_step(
                 net, optimizer, views, args, ctx, labels, support_set)
-            for probe in probes.values():
-                probe.step(labels, lr / peak_lr)
+            run.train_probes(labels, lr / peak_lr)
             run.meter.update(lr, loss=loss, same_class=same_class,
                              labelled=labelled)
 
@@ -339,9 +339,7 @@ def main(argv=None):
         record["nn_same_class"] = None
         if labelled > 0:
             record["nn_same_class"] = same_class / labelled
-
-        # shared: the kNN monitor, the log line, the checkpoint
-        run.end_epoch(record)
+        run.end_epoch(record)  # the kNN monitor, the log, a checkpoint
 
     # shared: the final evaluation, backbone.pt, results.json
     run.finish()

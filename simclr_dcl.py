@@ -214,30 +214,32 @@ def recipes(args):
 
 # ---------------------------------------- main loop
 def main(argv=None):
-    # shared: the options, this process, the data, one seed
+    # shared: the options, this process
     args = parse_args(argv)
     ctx = common.setup(args)
+
+    # own: the data, SimCLR's network, optimiser, augmentation
     data = common.load_data(args, ctx)
     torch.manual_seed(args.seed)  # the same model on every rank
-
-    # own: SimCLR's network, optimiser and augmentation
     model = SimCLR(args.arch, args.width, data.image_size,
                    args.proj_hidden, args.proj_dim,
                    args.stem_padding).to(ctx.device)
+    backbone = model.backbone
     net = common.distribute(model, ctx)  # `model` stays bare
     peak_lr = args.lr * args.batch_size / 256
     optimizer = common.pretraining_optimizer(
         model.parameters(), args, ctx, peak_lr)
-    probes = common.online_probes(args, data, ctx, model.backbone)
+    probes = common.online_probes(args, data, ctx, backbone)
     augment = common.Augment(recipes(args), data.image_size,
                              data.mean, data.std, ctx)
     if args.compile:  # the loss stays as written
         net = torch.compile(net)
         augment = torch.compile(augment)
+    # what a checkpoint keeps
+    states = dict(model=model, optimizer=optimizer)
 
     # shared: the run folder; a checkpoint there is continued
-    run = common.Run(args, ctx, data, model.backbone, probes,
-                     model=model, optimizer=optimizer)
+    run = common.Run(args, ctx, data, backbone, probes, states)
     for epoch in run.epochs():
         for step, images, labels in run.batches(epoch):
             # own: the schedule, the augmented views, the step
@@ -248,8 +250,7 @@ def main(argv=None):
                 group["lr"] = lr
             views = augment(images, run.draws)
             loss, q = train_step(net, optimizer, views, args, ctx)
-            for probe in probes.values():
-                probe.step(labels, lr / peak_lr)
+            run.train_probes(labels, lr / peak_lr)
             run.meter.update(lr, loss=loss, npc_mean=q.mean(),
                              npc_sq=(q * q).mean())
 
@@ -259,9 +260,7 @@ def main(argv=None):
         npc_mean = record["npc_mean"]
         npc_var = max(record.pop("npc_sq") - npc_mean ** 2, 0)
         record["npc_cv"] = math.sqrt(npc_var) / npc_mean
-
-        # shared: the kNN monitor, the log line, the checkpoint
-        run.end_epoch(record)
+        run.end_epoch(record)  # the kNN monitor, the log, a checkpoint
 
     # shared: the final evaluation, backbone.pt, results.json
     run.finish()

@@ -326,18 +326,19 @@ def case_shares(case):
 
 # ---------------------------------------- main loop
 def main(argv=None):
-    # shared: the options, this process, the data, one seed
+    # shared: the options, this process
     args = parse_args(argv)
     ctx = common.setup(args)
-    crops = 2 if args.stopgrad == "symmetric" else 4  # GSG's 4
+
+    # own: the data (GSG: 4 crops), the network, BYOL's target
+    crops = 2 if args.stopgrad == "symmetric" else 4
     data = common.load_data(args, ctx, crops=crops)
     torch.manual_seed(args.seed)  # the same model on every rank
-
-    # own: the online network; BYOL's target
     model = SiameseNet(
         args.arch, args.width, data.image_size, args.proj_hidden,
         args.proj_dim, args.pred_hidden, not args.no_predictor,
         args.proj_layers, args.stem_padding).to(ctx.device)
+    backbone = model.encoder.backbone
     net = common.distribute(model, ctx)  # `model` stays bare
     target = None
     if args.method == "byol":
@@ -347,37 +348,36 @@ def main(argv=None):
     peak_lr = args.lr * args.batch_size / 256
     optimizer = common.pretraining_optimizer(
         parameter_groups(model, args), args, ctx, peak_lr)
-    probes = common.online_probes(args, data, ctx, model.encoder.backbone,
-                                  target)
+    probes = common.online_probes(args, data, ctx, backbone, target)
     augment = common.Augment(recipes(args), data.image_size,
                              data.mean, data.std, ctx)
     if args.compile:  # the loss stays as written
         net = torch.compile(net)
         augment = torch.compile(augment)
+    # what a checkpoint keeps
+    states = dict(model=model, optimizer=optimizer, target=target)
 
     # shared: the run folder; a checkpoint there is continued
-    run = common.Run(args, ctx, data, model.encoder.backbone, probes,
-                     model=model, optimizer=optimizer, target=target)
-    total_steps = args.epochs * run.steps
+    run = common.Run(args, ctx, data, backbone, probes, states)
     for epoch in run.epochs():
         for step, images, labels in run.batches(epoch):
             # own: the schedules, the views, GSG's pairs, the step
             global_step = epoch * run.steps + step
             lr = common.learning_rate(
-                global_step, total_steps, args.warmup_epochs * run.steps,
-                peak_lr, args.schedule)
+                global_step, args.epochs * run.steps,
+                args.warmup_epochs * run.steps, peak_lr, args.schedule)
             for group in optimizer.param_groups:
                 group["lr"] = peak_lr if group["fix_lr"] else lr
             views = augment(images, run.draws)
             pairing = draw_pairing(args.batch_size, args.stopgrad,
                                    run.order, ctx)  # GSG's r(i)
             tau = ema_momentum(
-                global_step, total_steps, args.ema, args.ema_schedule)
+                global_step, args.epochs * run.steps, args.ema,
+                args.ema_schedule)
             loss, case, proj_std = train_step(
                 net, optimizer, views, args, ctx, pairing=pairing,
                 target=target, online=model.encoder, tau=tau)
-            for probe in probes.values():
-                probe.step(labels, lr / peak_lr)
+            run.train_probes(labels, lr / peak_lr)
             scalars = {"loss": loss, "proj_std": proj_std}
             if target is not None:
                 scalars["ema"] = tau
@@ -385,7 +385,7 @@ def main(argv=None):
                 scalars.update(case_shares(case))
             run.meter.update(lr, **scalars)
 
-        # shared: the kNN monitor, the log line, the checkpoint
+        # own: the epoch's means, the kNN monitor, the log
         run.end_epoch(run.meter.summary())
 
     # shared: the final evaluation, backbone.pt, results.json

@@ -15,7 +15,7 @@ import torchvision.transforms.functional as TF
 import common
 import simclr_dcl
 from common import Augment, Context, Recipe
-from helpers import FailingWrites, check_run_folder, run_distributed, run_script, smoke_args, tiny_image_folder
+from helpers import METHODS, FailingWrites, check_run_folder, run_distributed, run_script, smoke_args, tiny_image_folder
 
 CPU = torch.device("cpu")
 ONE = torch.ones(4)  # a colour_jitter factor that leaves every image unchanged
@@ -715,7 +715,7 @@ def test_a_run_that_ends_within_its_warm_up_is_warned_about(tiny_folder, tmp_pat
         assert ("warning: --epochs 1 is not more than --warmup-epochs" in err) == warned, extra
 
 
-SCRIPTS = ("simclr_dcl", "moco_simmoco_simco", "simsiam_byol_gsg", "nnclr_dcl")
+SCRIPTS = METHODS
 METHOD = {  # each option a method file adds to the shared ones, in its order; flags when set
     "simclr_dcl": "--loss dcl --temperature 0.1 --sigma 0.5 --proj-hidden 2048 --proj-dim 128",
     "moco_simmoco_simco": "--method simco --tau-alpha 0.1 --tau-beta 1.0 --queue-size 65536 "

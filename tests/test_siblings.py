@@ -7,13 +7,16 @@ import re
 import pytest
 import torch
 
+import importlib
+
 import common
 import moco_simmoco_simco as mss
 import nnclr_dcl
 import simclr_dcl
 import simsiam_byol_gsg as gsg
+from helpers import METHODS
 
-METHOD_FILES = (simclr_dcl, mss, nnclr_dcl, gsg)
+METHOD_FILES = tuple(importlib.import_module(name) for name in METHODS)
 MARKER = re.compile(r"^ *# (shared|own): ", re.M)
 
 
@@ -102,6 +105,6 @@ def test_every_main_marks_its_shared_and_own_lines():
         shared[module.__name__] = texts
         assert any(kind == "own" for kind, _ in pieces), module
     reference = shared[simclr_dcl.__name__]
-    assert len(reference) >= 5
+    assert len(reference) >= 3
     for name, texts in shared.items():
         assert texts == reference, name
