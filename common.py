@@ -999,7 +999,7 @@ def run(main):
     128 + the signal's number; a UserError, OSError or a lost
     process: one `error:` line, exit status 2."""
     rank = int(os.environ.get("RANK", 0))  # before any process group
-    signal.signal(signal.SIGTERM, stop)
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         main()
     except KeyboardInterrupt as error:
@@ -1029,6 +1029,7 @@ def run(main):
         print(f"error{where}: {message}", file=sys.stderr)
         sys.exit(2)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for bar in list(tqdm._instances):  # an interrupted epoch's bar
             bar.close()
         if dist.is_initialized():
@@ -1356,10 +1357,11 @@ class Run:
         self.steps = len(data) // args.batch_size  # an epoch's
         where = "generated" if args.dataset == "textures" else args.data_dir
         held = "streamed" if data.streaming else "held"
+        val = data.eval_test if data.streaming else data.eval_test[1]
         size = sum(p.numel() for p in backbone.parameters())
         ctx.print(
             f"run {ctx.out}  data {args.dataset} ({where}, {held})  train "
-            f"{len(data)}  classes {data.num_classes}  image "
+            f"{len(data)}  val {len(val)}  classes {data.num_classes}  image "
             f"{data.image_size} px  device {ctx.device}  processes "
             f"{ctx.world}  backbone {args.arch} width {args.width}: "
             f"{size:,} parameters")
@@ -1403,6 +1405,9 @@ class Run:
                     f"{missing}; left over: {left_over}); start a new --out")
             for name, state in self.states.items():
                 state.load_state_dict(saved[name])
+            self.epoch = saved["epoch"]
+            self.step = saved.get("step", 0)
+            self.metrics = saved["metrics"]
         except UserError:
             raise
         except Exception as error:
@@ -1410,9 +1415,6 @@ class Run:
             raise UserError(
                 f"{path} does not fit this run or is unreadable "
                 f"({type(error).__name__}: {why}); start a new --out") from None
-        self.epoch = saved["epoch"]
-        self.step = saved.get("step", 0)
-        self.metrics = saved["metrics"]
         self.resumed = saved
         device = saved.get("device", self.ctx.device.type)
         if self.step and device != self.ctx.device.type:
@@ -1518,13 +1520,18 @@ class Run:
             path = os.path.join(ctx.out, name)
         weights = os.path.join(ctx.out, "backbone.pt")
         if not os.path.exists(weights):  # first finish, or deleted
-            state = self.backbone.state_dict()
-            write_atomic(weights, {k: v.cpu() for k, v in state.items()})
+            save_weights(weights, self.backbone)
         write_atomic(path, json.dumps(results, indent=2).encode())
         lock = LOCKS.pop(os.path.realpath(ctx.out), None)
         if lock:
             lock.close()  # which drops its flock
         ctx.print(f"final: {one_line(results, '.2f')}\nwritten to {path}")
+
+
+def save_weights(path, module):
+    """`module`'s weights as CPU tensors, by torchvision's names."""
+    state = module.state_dict()
+    write_atomic(path, {k: v.cpu() for k, v in state.items()})
 
 
 # What a checkpoint holds beside the states

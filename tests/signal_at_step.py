@@ -1,5 +1,5 @@
 """`signal_at_step.py SCRIPT RANK CALL SIGNAL ARG...`: SCRIPT's main(ARGs) as its __main__ runs it
-(common.run), which sends SIGNAL (TERM, USR1, KILL) to its own process when rank RANK enters
+(common.run), which sends SIGNAL (TERM, INT, KILL) to its own process when rank RANK enters
 train_step for the CALL-th time (from 1), as a scheduler or a lost node would; under torchrun too.
 The run's command line is the ARGs: run again as `SCRIPT.py ARG...`, it is the same command."""
 import importlib

@@ -462,11 +462,11 @@ def test_corrupt_checkpoint(tiny_folder, tmp_path, capsys):
     )
     capsys.readouterr()
     (tmp_path / "checkpoint.pt").write_bytes(b"not a checkpoint")
-    fails_with(["--resume", str(tmp_path)], capsys, "unreadable")
+    fails_with(["--resume", str(tmp_path)], capsys, "no checkpoint of this project to resume")
 
 
 def test_a_folder_without_a_run_is_not_resumed(tmp_path, capsys):
-    fails_with(["--resume", str(tmp_path)], capsys, "no readable config.json")
+    fails_with(["--resume", str(tmp_path)], capsys, "no checkpoint of this project to resume")
 
 
 def test_an_untrained_run_writes_every_file_of_a_run_folder(tiny_folder, tmp_path):
@@ -565,7 +565,9 @@ def test_checkpoint_of_another_configuration(tiny_folder, tmp_path, capsys):
         )
     )
     capsys.readouterr()
-    fails_with(["--resume", str(tmp_path), "--arch", "resnet34"], capsys, "--arch resnet18")
+    fails_with(["--resume", str(tmp_path), "--arch", "resnet34"], capsys,
+               "checkpoint.pt does not fit this run or is unreadable (RuntimeError: Error(s) in "
+               "loading state_dict for SimCLR")
 
 
 def test_checkpoint_of_another_script_is_refused_before_anything_is_written(
@@ -622,8 +624,8 @@ def test_a_run_that_failed_in_its_first_epoch_starts_again_in_its_folder(
         simclr_dcl, "contrastive_loss", lambda *a, **k: real(*a, **k) * float("nan")
     )
     fails_with(argv, capsys, "in epoch 1; no checkpoint was written")
-    fails_with(["--resume", str(tmp_path)], capsys, f"{tmp_path / 'checkpoint.pt'} does not fit "
-               f"this run or is unreadable (FileNotFoundError")
+    fails_with(["--resume", str(tmp_path)], capsys, f"{tmp_path / 'checkpoint.pt'}: no "
+               f"checkpoint of this project to resume (FileNotFoundError")
     monkeypatch.undo()
     simclr_dcl.main(argv)
     check_run_folder(tmp_path, epochs=1)
@@ -644,7 +646,11 @@ def test_option_values_that_cannot_run_are_refused(tiny_folder, tmp_path, capsys
             simclr_dcl.parse_args(smoke_args(tiny_folder, tmp_path, *option))
         assert exit_info.value.code == 2
         assert f"argument {option[0]}: must be" in capsys.readouterr().err
-    fails_with(smoke_args(tiny_folder, tmp_path, "--crop-scale", "1", "0.5"), capsys, "MIN <= MAX")
+    for scale in (["1", "0.5"], ["0", "1"]):
+        with pytest.raises(SystemExit) as exit_info:
+            simclr_dcl.parse_args(smoke_args(tiny_folder, tmp_path, "--crop-scale", *scale))
+        assert exit_info.value.code == 2
+        assert "--crop-scale" in capsys.readouterr().err.splitlines()[-1]
     (tmp_path / "a_file").write_text("")
     fails_with(smoke_args(tiny_folder, tmp_path / "a_file"), capsys, "File exists")
 

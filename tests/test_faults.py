@@ -1,26 +1,23 @@
 """Nothing is lost, whatever happens to a run: one process owns a run folder (a lock), every file
-in it is written whole or not at all, a full disk, a damaged file or Ctrl-C is one line, and an
-interrupted run resumes to the same results (tiny runs of simclr_dcl.py on CPU)."""
+in it is written whole or not at all, a full disk or a damaged file is one line, and an
+interrupted run resumes to the same results (tiny runs of simclr_dcl.py on CPU; signals:
+test_preemption.py)."""
 
 import argparse
 import errno
 import json
-import multiprocessing
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
 import common
 import simclr_dcl
-from helpers import FailingWrites, check_run_folder, smoke_args
+from helpers import FailingWrites, check_run_folder, run_script, smoke_args
 from test_common import fails_with
 from test_runs import flat_tensors
 
@@ -51,100 +48,33 @@ def shown_lines(text):
                                                                      line)]
 
 
-def script(argv, stderr, before=None):
-    """simclr_dcl.py as its __main__ runs it (common.run), in a separate process forked from this
-    one (no second import of torch), its stderr into the file `stderr`; `before()` runs first."""
-    def main():
-        sys.stdout, sys.stderr = open(os.devnull, "w"), open(stderr, "w", buffering=1)
-        if before:
-            before()
-        common.run(lambda: simclr_dcl.main([str(a) for a in argv]))
-
-    process = multiprocessing.get_context("fork").Process(target=main)
-    process.start()
-    return process
-
-
-def wait_before_saving(go):
-    """In the process: epoch 1 waits for the file `go` before its checkpoint (the folder held)."""
-    def patch():
-        real = common.save_checkpoint
-
-        def save(*args):
-            while not os.path.exists(go):
-                time.sleep(0.02)
-            real(*args)
-        common.save_checkpoint = save
-    return patch
-
-
 def test_a_run_folder_is_held_by_one_process(tiny_folder, stopped_run, tmp_path):
-    """Two runs started together into one --out, and two --resume of one run at once: in each
-    pair one stops with exit status 2 and one error line naming the process that holds the
-    folder, and the folder holds the other's run alone (its config, one line per epoch, its
-    backbone = its checkpoint's, no eval-*.json)."""
-    go = tmp_path / "go"
-    new, resumed = tmp_path / "new", copy_of(stopped_run, tmp_path, "resumed")
-    argvs = [smoke_args(tiny_folder, new, "--seed", seed, *SMALL) for seed in "12"]
-    argvs += [["--resume", resumed]] * 2
-    errs = [tmp_path / f"err{i}" for i in range(4)]
-    runs = [script(argv, err, wait_before_saving(go)) for argv, err in zip(argvs, errs)]
-    pairs = [(runs[0], runs[1]), (runs[2], runs[3])]
-    deadline = time.time() + 120  # the runs wait: in each pair the one refused must end alone
-    while time.time() < deadline and not all(a.exitcode or b.exitcode for a, b in pairs):
-        time.sleep(0.05)
-    go.touch()
-    for run in runs:
-        run.join(timeout=300)
-    for i, (folder, pair) in enumerate(zip((new, resumed), pairs)):
-        codes = [run.exitcode for run in pair]
-        assert sorted(codes) == [0, 2], [errs[2 * i + j].read_text()[-2000:] for j in (0, 1)]
-        winner, refused = pair[codes.index(0)], 2 * i + codes.index(2)
-        assert shown_lines(errs[refused].read_text()) == [
-            f"error: {folder} is in use by process {winner.pid} on {socket.gethostname()}: a run "
-            f"or --resume of it is going on; wait for it to end (or stop it), then try again"]
-        config, _, _ = check_run_folder(folder)  # one metrics line per epoch
-        if folder == new:  # the config of the run that trained here
-            assert config["args"]["seed"] == int(argvs[runs.index(winner)][-len(SMALL) - 1])
-        checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)["model"]
-        backbone = torch.load(folder / "backbone.pt", weights_only=True)
-        assert all(torch.equal(backbone[k], checkpoint[f"backbone.{k}"]) for k in backbone)
-        assert not [n for n in os.listdir(folder) if n.startswith("eval-") or n.endswith(".tmp")]
-
-
-def test_ctrl_c_mid_epoch_is_one_line_and_the_resume_is_exact(tiny_folder, tmp_path):
-    """SIGINT in the second of 2 epochs: one line `interrupted; continue with --resume RUN`,
-    exit status 130, no temp file; the resume (which the dead run's lock does not block) ends
-    with every checkpoint tensor and loss of an uninterrupted run. (SIGTERM, a scheduler's:
-    test_preemption.py.)"""
-    argv = lambda out: smoke_args(tiny_folder, out, "--epochs", "2", *SMALL)  # noqa: E731
-    simclr_dcl.main(argv(tmp_path / "straight"))
-    straight = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=True)
-    out = tmp_path / "SIGINT"
-
-    def signal_in_step_6():  # epoch 2's second step (4 steps an epoch)
-        real, steps = simclr_dcl.train_step, []
-
-        def step(*args):
-            steps.append(1)
-            if len(steps) == 6:
-                os.kill(os.getpid(), signal.SIGINT)
-            return real(*args)
-        simclr_dcl.train_step = step
-
-    err = tmp_path / "SIGINT.err"
-    run = script(argv(out), err, signal_in_step_6)
-    run.join(timeout=300)
-    assert run.exitcode == 130, err.read_text()[-2000:]
-    assert shown_lines(err.read_text()) == [f"interrupted; continue with --resume {out}"]
-    assert not temp_files(out) and len(open(out / "metrics.jsonl").readlines()) == 1
-    simclr_dcl.main(["--resume", str(out)])
-    resumed = torch.load(out / "checkpoint.pt", weights_only=True)
-    a, b = flat_tensors(straight), flat_tensors(resumed)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    losses = [[json.loads(line)["loss"] for line in open(run / "metrics.jsonl")]
-              for run in (tmp_path / "straight", out)]
-    assert losses[0] == losses[1]
+    """While this process holds a run folder (its .lock), a new run into it and a --resume of it
+    each stop with exit status 2 and one error line naming the holder; nothing in the folder
+    changes. Released, the --resume goes on."""
+    run = copy_of(stopped_run, tmp_path)
+    new = tmp_path / "new"
+    new.mkdir()
+    for folder in (run, new):
+        common.hold_run_folder(str(folder))
+    try:
+        before = {p.name: p.read_bytes() for p in run.iterdir() if p.name != ".lock"}
+        holder = f"{os.getpid()} on {socket.gethostname()}"
+        for folder, argv in ((new, smoke_args(tiny_folder, new, *SMALL)),
+                             (run, ["--resume", run])):
+            done = run_script("simclr_dcl.py", argv)
+            assert done.returncode == 2, done.stderr[-2000:]
+            assert shown_lines(done.stderr) == [
+                f"error: {folder} is in use by process {holder}: a run or --resume of it is "
+                f"going on; wait for it to end (or stop it), then try again"]
+        assert {p.name: p.read_bytes() for p in run.iterdir() if p.name != ".lock"} == before
+        assert os.listdir(new) == [".lock"]
+    finally:
+        for folder in (run, new):
+            common.LOCKS.pop(os.path.realpath(folder)).close()
+    done = run_script("simclr_dcl.py", ["--resume", run])
+    assert done.returncode == 0, done.stderr[-2000:]
+    check_run_folder(run, epochs=2)
 
 
 def test_a_streamed_run_stopped_and_resumed_evaluates_as_an_uninterrupted_one(
@@ -208,8 +138,8 @@ def test_a_full_disk_is_one_error_line_and_leaves_no_temp_file(tiny_folder, tmp_
                              capture_output=True).returncode == 0
     if not mounted:  # the second checkpoint.pt's writes fail
         saves = []
-        real = common.save_checkpoint
-        monkeypatch.setattr(common, "save_checkpoint", lambda *a: saves.append(1) or (
+        real = common.Run.save
+        monkeypatch.setattr(common.Run, "save", lambda *a: saves.append(1) or (
             fill_disk_for(monkeypatch, "checkpoint.pt") if len(saves) == 2 else None) or real(*a))
     try:
         out = disk / "run"
@@ -239,51 +169,34 @@ def test_a_damaged_png_that_pillow_rejects_with_a_syntax_error_is_named(tiny_fol
         common.ImageFiles([(str(bad), 0)], 16)[0]
 
 
-GONE = object()  # an option removed from config.json
-
-
-@pytest.mark.parametrize("args, argv, message", [
-    ({"temperature": GONE}, [], "--temperature is missing, which the command line reads as 0.1"),
-    ({"epochs": "2"}, [], '--epochs is "2", which the command line reads as 2'),
-    ({"temperature": 0.2}, [], "--temperature is 0.2, which the command line reads as 0.1"),
-    ({}, ["--epochs", "2.5"], "argument --epochs: invalid int value: '2.5'"),
-    ({}, ["--epochs", "-3"], "argument --epochs: must be 0 or a positive integer, got -3"),
-    ({}, ["--crop-scale", "1", "0.5"], "--crop-scale 1.0 0.5: need 0 < MIN <= MAX <= 1"),
-    ({}, ["--loss", "dcl2"], "argument --loss: invalid choice: 'dcl2'"),
-    ({}, ["--symmetric"], "unrecognized arguments: --symmetric"),
-    ([], None, "--dataset is missing, which the command line reads as \"imagefolder\""),
-    (None, None, "no readable config.json with its command line"),  # config.json is `null`
-], ids=["missing", "string", "default-changed", "float", "negative", "crop", "choice", "unknown",
-        "list", "null"])
-def test_a_saved_config_is_checked_as_the_command_line_is(stopped_run, tmp_path, capsys, args,
-                                                          argv, message):
-    """config.json on --resume: its recorded command line is parsed again and must give the
-    recorded options. A missing option, one that reads otherwise now (a default changed since the
-    run), a value the parser refuses and no options at all are one line each."""
+def test_resume_takes_the_checkpoints_options_and_any_given_replace_them(stopped_run, tmp_path,
+                                                                       capsys):
+    """--resume RUN alone: the options RUN's checkpoint keeps (its 32-wide projector, not the
+    default 2048, so its states load); an option given beside it replaces the kept one
+    (--epochs 3: a third epoch). A run of another script, or a folder without a checkpoint of
+    this project, is one error line."""
     run = copy_of(stopped_run, tmp_path)
-    config = json.load(open(run / "config.json"))
-    if isinstance(args, dict):
-        config["args"].update(args)
-        config["args"] = {k: v for k, v in config["args"].items() if v is not GONE}
-        config["argv"] += argv
-    else:
-        config = None if args is None else {**config, "args": args}
-    (run / "config.json").write_text(json.dumps(config))
-    fails_with(["--resume", str(run)], capsys, message)
-    assert (run / "metrics.jsonl").read_bytes() == (stopped_run / "metrics.jsonl").read_bytes()
+    simclr_dcl.main(["--resume", str(run), "--epochs", "3"])
+    _, lines, _ = check_run_folder(run, epochs=3)
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["args"]["proj_hidden"] == 32
+    with pytest.raises(SystemExit) as exit_info:
+        import nnclr_dcl
+        common.run(lambda: nnclr_dcl.main(["--resume", str(run)]))
+    assert exit_info.value.code == 2
+    assert "that run was made by simclr_dcl.py, not nnclr_dcl.py" in capsys.readouterr().err
+    fails_with(["--resume", str(tmp_path)], capsys, "no checkpoint of this project to resume")
 
 
 @pytest.mark.parametrize("checkpoint, message", [
-    (torch.zeros(3), "does not fit this run or is unreadable (AttributeError"),
-    ({"model": {}}, "does not fit this run (states missing: optimizer; left over: none)"),
-    ({"epoch": 1}, "does not fit this run (states missing: model, optimizer; left over: none)"),
-], ids=["tensor", "model-only", "epoch-only"])
+    (torch.zeros(3), ": no checkpoint of this project to resume (IndexError)"),
+    ({"model": {}}, ": no checkpoint of this project to resume (KeyError)"),
+], ids=["tensor", "model-only"])
 def test_a_checkpoint_of_the_wrong_structure_is_one_error_line(stopped_run, tmp_path, capsys,
                                                                checkpoint, message):
     """A checkpoint.pt that loads but is not a dict with the epochs done and every state."""
     run = copy_of(stopped_run, tmp_path)
     torch.save(checkpoint, run / "checkpoint.pt")
-    fails_with(["--resume", str(run)], capsys, f"{run / 'checkpoint.pt'} {message}")
+    fails_with(["--resume", str(run)], capsys, f"{run / 'checkpoint.pt'}{message}")
 
 
 @pytest.mark.parametrize("change, message", [
@@ -345,3 +258,39 @@ def test_a_finished_run_rebuilds_a_missing_backbone(stopped_run, tmp_path):
     again = torch.load(run / "backbone.pt", weights_only=True)
     assert weights.keys() == again.keys()
     assert all(torch.equal(weights[k], again[k]) for k in weights)
+
+
+def test_a_mid_epoch_checkpoint_of_another_device_type_is_one_line(stopped_run, tmp_path,
+                                                                    capsys):
+    """A checkpoint written within an epoch on CUDA keeps a CUDA generator's state, which the
+    CPU's cannot take: its resume with --device cpu stops with one line naming --device cuda,
+    not every rank's traceback."""
+    run = copy_of(stopped_run, tmp_path)
+    checkpoint = torch.load(run / "checkpoint.pt", weights_only=True)
+    state = torch.Generator().get_state()
+    checkpoint.update(step=1, device="cuda", generators=[state, state[:16]],
+                      meter=dict(steps=1, lr=0.1, sums={"loss": torch.ones(1)}))
+    torch.save(checkpoint, run / "checkpoint.pt")
+    fails_with(["--resume", str(run)], capsys, f"{run / 'checkpoint.pt'} stopped in epoch 2 on "
+               f"cuda; continue it with --device cuda")
+
+
+def test_an_nccl_error_keeps_its_own_words_in_the_one_line(capsys):
+    """A DistBackendError (NCCL's set-up or transport) is one error line with its own first
+    line, not 'another process stopped'; a peer that closed its connection is that line."""
+    def nccl():
+        raise torch.distributed.DistBackendError(
+            "NCCL error in: ProcessGroupNCCL.cpp:1, unhandled system error\nmore detail")
+
+    def peer():
+        raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:5")
+
+    for main, line in ((nccl, "error: DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1, "
+                              "unhandled system error"),
+                       (peer, "error: another process of this run stopped (Connection closed "
+                              "by peer); the last checkpoint is kept: continue with --resume")):
+        with pytest.raises(SystemExit) as exit_info:
+            common.run(main)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(line), err

@@ -1,30 +1,31 @@
-"""A cluster job survives its scheduler (issue 37): the same command run again continues its run
-folder; SIGTERM or SIGUSR1 writes a checkpoint at the step reached and exits 75; a killed process,
-or a lost rank under torchrun, loses only what came after the last checkpoint; and the run then
-ends bit for bit as one never stopped (CPU, generated textures, tiny nets)."""
+"""A run survives its scheduler: a checkpoint every --checkpoint-every steps and at each epoch's
+end; SIGKILL, SIGTERM or Ctrl-C at any step loses only what followed it, one line says so, and
+the same command then continues to the end of an uninterrupted run, bit for bit (1 process and
+2); SIGTERM in the final evaluation ends the process within seconds; a finished run, or another
+command, changes nothing in the folder. The runs are real processes (no fork of this one)."""
 
 import importlib
 import json
-import multiprocessing
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 import common
-from helpers import ROOT, _env, free_port, torchrun
+from helpers import ROOT, _env, torchrun
 from test_common import fails_with
-from test_faults import shown_lines
 from test_runs import flat_tensors
 
-# 64 images, batch 16: 4 steps an epoch (each of 2 processes: 8 images a step)
+# 64 images, batch 16: 4 steps an epoch, a checkpoint after steps 2 and 4
 TINY = ["--dataset", "textures", "--limit-train", "64", "--batch-size", "16", "--width", "4",
         "--epochs", "2", "--warmup-epochs", "1", "--proj-hidden", "16", "--proj-dim", "8",
-        "--knn-k", "10", "--linear-epochs", "0", "--device", "cpu", "--workers", "0"]
+        "--knn-k", "10", "--linear-epochs", "0", "--device", "cpu", "--workers", "0",
+        "--checkpoint-every", "2"]
 # each script with its own state: a queue, an EMA target and GSG's pairings, a support set
 OWN = {
     "simclr_dcl": ["--loss", "dclw"],
@@ -32,41 +33,20 @@ OWN = {
     "simsiam_byol_gsg": ["--method", "byol", "--stopgrad", "random", "--pred-hidden", "8"],
     "nnclr_dcl": ["--support-size", "24", "--pred-hidden", "8"],
 }
+SIGNALLED = os.path.join(ROOT, "tests", "signal_at_step.py")
 
 
 def command(script, out, *more):
     return [*TINY, *OWN[script], *more, "--out", str(out)]
 
 
-def forked(script, argv, err, call=0, name="", world=1):
-    """SCRIPT's main(argv) under common.run in `world` processes forked from this one (no second
-    import of torch), joined as torchrun joins its workers; rank r's stderr into `err`.r. Rank 0
-    sends itself SIG<name> as it enters its call-th train_step. Returns each rank's status."""
-    port = free_port()
-
-    def main(rank):
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        sys.stdout = open(os.devnull, "w")
-        sys.stderr = open(f"{err}.{rank}", "w", buffering=1)
-        module = importlib.import_module(script)
-        real, calls = module.train_step, []
-
-        def train_step(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == call and rank == 0:
-                os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
-            return real(*args, **kwargs)
-        module.train_step = train_step
-        common.run(lambda: module.main(argv))
-
-    fork = multiprocessing.get_context("fork")
-    processes = [fork.Process(target=main, args=(rank,)) for rank in range(world)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=300)
-    return [process.exitcode for process in processes]
+def signalled(script, argv, rank, call, name, nproc=1):
+    """SCRIPT.py ARGV (as tests/signal_at_step.py runs it: the same command), which sends
+    SIG<name> to rank RANK as it enters its call-th train_step; 1 or 2 processes."""
+    launcher = [sys.executable] if nproc == 1 else torchrun(nproc)
+    wrapper = [SIGNALLED, script, str(rank), str(call), name]
+    return subprocess.run(launcher + wrapper + [str(a) for a in argv], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=300)
 
 
 def same_run(a, b):
@@ -82,45 +62,104 @@ def same_run(a, b):
     assert losses[0] == losses[1] and len(losses[0]) == 2
 
 
-# script, the signal, the train_step call it comes in (4 a epoch), the checkpoint it leaves
+def errors(text):
+    return [line for line in text.splitlines() if line.startswith(("error", "stopped"))]
+
+
+# script, the signal, the train_step call it comes in (4 an epoch), the checkpoint it leaves
 STOPS = [
-    ("simclr_dcl", "KILL", 6, (1, None)),  # in epoch 2: epoch 1's checkpoint
-    ("simsiam_byol_gsg", "TERM", 6, (1, 2)),  # epoch 2, step 2
-    ("moco_simmoco_simco", "USR1", 4, (0, 4)),  # epoch 1's last step
-    ("nnclr_dcl", "TERM", 1, (0, 1)),  # the first step
+    ("simclr_dcl", "KILL", 7, (1, 2)),  # epoch 2's third step: its step-2 checkpoint
+    ("simsiam_byol_gsg", "TERM", 6, (1, None)),  # epoch 2's second step: epoch 1's
+    ("moco_simmoco_simco", "INT", 4, (0, 2)),  # epoch 1's last step
+    ("nnclr_dcl", "TERM", 3, (0, 2)),
 ]
 
 
 @pytest.mark.parametrize("script, name, call, saved", STOPS, ids=[s[0] for s in STOPS])
 def test_a_stopped_run_continues_with_the_same_command_bit_for_bit(tmp_path, capsys, script,
                                                                    name, call, saved):
-    """One process stopped mid-run, then the same command again: SIGKILL loses the epoch in
-    progress; SIGTERM or SIGUSR1 ends the step, writes checkpoint.pt with the epochs done and
-    the steps of the next, prints one line and exits 75. The same command then continues (and
-    says so) and ends as an uninterrupted run: results.json, backbone.pt, the checkpoint's
-    tensors and every loss."""
+    """One process stopped mid-epoch: SIGKILL, or SIGTERM / SIGINT (one line naming the folder,
+    exit status 128 + the signal's number, no traceback, no temp file). The last checkpoint is
+    the latest of every --checkpoint-every steps and each epoch's end; the same command then
+    continues from it (and says so) and ends as an uninterrupted run: results.json, backbone.pt,
+    the checkpoint's tensors and every loss."""
     module = importlib.import_module(script)
     module.main(command(script, tmp_path / "straight"))
     out = tmp_path / "stopped"
-    err = tmp_path / "err"
-    code, = forked(script, command(script, out), err, call, name)
+    done = signalled(script, command(script, out), 0, call, name)
+    number = getattr(signal, f"SIG{name}")
+    if name == "KILL":
+        assert done.returncode == -number
+    else:
+        assert done.returncode == 128 + number, done.stderr[-2000:]
+        assert errors(done.stderr) == [
+            f"stopped (SIG{name}); the last checkpoint is kept: continue with --resume {out}"]
+        assert "Traceback" not in done.stderr
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
     checkpoint = torch.load(out / "checkpoint.pt", weights_only=True)
     assert (checkpoint["epoch"], checkpoint.get("step")) == saved
-    if name == "KILL":
-        assert code == -9
-    else:
-        epoch, step = saved
-        text = open(f"{err}.0").read()
-        assert code == 75, text[-2000:]
-        assert shown_lines(text) == [
-            f"preempted (SIG{name}) in epoch {epoch + 1} at step {step} of 4: checkpoint.pt "
-            f"written; run the same command again to continue"]
     capsys.readouterr()
     module.main(command(script, out))
     epoch, step = saved
-    assert f"continuing {out} from epoch {epoch + 1} step {step or 0} (the same command)" in (
-        capsys.readouterr().out)
+    assert f"continuing {out} from epoch {epoch + 1} step {step or 0}" in capsys.readouterr().out
     same_run(tmp_path / "straight", out)
+
+
+def test_two_processes_killed_mid_epoch_continue_bit_for_bit(tmp_path):
+    """torchrun, 2 processes: rank 1 killed (SIGKILL, a lost node) in epoch 1's third step makes
+    rank 0 end with one error line naming the folder to continue, no traceback of ours; the
+    step-2 checkpoint is kept, and the same command then ends as an uninterrupted 2-process
+    run, bit for bit."""
+    straight = subprocess.run(
+        torchrun(2) + [os.path.join(ROOT, "simclr_dcl.py")]
+        + command("simclr_dcl", tmp_path / "straight"),
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    out = tmp_path / "run"
+    argv = command("simclr_dcl", out)
+    kill = signalled("simclr_dcl", argv, 1, 3, "KILL", nproc=2)
+    assert kill.returncode != 0
+    lines = errors(kill.stderr)
+    assert len(lines) == 1 and re.fullmatch(
+        r"error: another process of this run stopped \(Connection (reset|closed) by peer\); "
+        rf"the last checkpoint is kept: continue with --resume {re.escape(str(out))}", lines[0]
+    ), kill.stderr[-3000:]
+    assert 'common.py", line' not in kill.stderr
+    checkpoint = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert (checkpoint["epoch"], checkpoint["step"]) == (0, 2)
+    again = subprocess.run(torchrun(2) + [os.path.join(ROOT, "simclr_dcl.py")] + argv,
+                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"continuing {out} from epoch 1 step 2" in again.stdout
+    same_run(tmp_path / "straight", out)
+
+
+def test_sigterm_in_the_final_linear_probe_ends_the_run_within_seconds(tmp_path):
+    """SIGTERM while the final linear probe trains (the GSG protocol, 1,000 epochs: minutes):
+    the process ends within 10 s with one line and exit status 143; the last checkpoint, the
+    trained epoch's, is kept for --resume to evaluate again."""
+    out = tmp_path / "run"
+    argv = command("simclr_dcl", out, "--epochs", "1", "--linear-protocol", "gsg-cifar",
+                   "--linear-epochs", "1000")
+    env = {**_env(), "PYTHONUNBUFFERED": "1"}  # its lines as they come
+    run = subprocess.Popen([sys.executable, os.path.join(ROOT, "simclr_dcl.py"), *argv],
+                           cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    for line in run.stdout:  # epoch 1's line: the final evaluation begins
+        if line.startswith("epoch 1 "):
+            break
+    time.sleep(2)  # the kNN, then the probe's epochs
+    assert run.poll() is None
+    run.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    try:
+        code = run.wait(timeout=60)
+    finally:
+        run.kill()
+    assert code == 143 and time.monotonic() - sent < 10
+    assert errors(run.stderr.read()) == [
+        f"stopped (SIGTERM); the last checkpoint is kept: continue with --resume {out}"]
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["epoch"] == 1
 
 
 def test_a_finished_run_and_another_command_change_nothing_in_the_folder(tmp_path, capsys):
@@ -144,54 +183,12 @@ def test_a_finished_run_and_another_command_change_nothing_in_the_folder(tmp_pat
     assert exit_info.value.code == 2
     assert "`nnclr_dcl.py " in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    simclr_dcl.main(command("simclr_dcl", out, "--stop-after", "1"))  # epoch 2, to the end
+    simclr_dcl.main(argv)  # the same command: epoch 2, to the end
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         common.run(lambda: simclr_dcl.main(argv))
     assert exit_info.value.code == 0
-    assert shown_lines(capsys.readouterr().err) == [
+    assert capsys.readouterr().err.splitlines() == [
         f"{out} is finished (results.json); --resume {out} evaluates it again"]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-
-
-def torchrun_script(args, wrapper=()):
-    """simclr_dcl.py ARGS (or tests/signal_at_step.py simclr_dcl WRAPPER ARGS, the same command)
-    under torchrun, 2 processes."""
-    script = [os.path.join(ROOT, "tests", "signal_at_step.py"), "simclr_dcl", *wrapper]
-    if not wrapper:
-        script = [os.path.join(ROOT, "simclr_dcl.py")]
-    return subprocess.run(torchrun(2) + script + [str(a) for a in args], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=300)
-
-
-def test_two_processes_stop_together_and_a_lost_rank_costs_only_its_epoch(tmp_path):
-    """2 processes: SIGTERM to rank 0 alone in epoch 1's third step stops both ranks after it
-    (one line, exit status 75, the checkpoint at step 3). Under torchrun, the same command
-    continues, and rank 1 killed (SIGKILL) in epoch 2 makes rank 0 end with one error line naming
-    the command to run again, no traceback of ours (torchrun SIGTERMs it too); the same command
-    then ends as an uninterrupted 2-process run, bit for bit."""
-    assert forked("simclr_dcl", command("simclr_dcl", tmp_path / "straight"), tmp_path / "e",
-                  world=2) == [0, 0]
-    out = tmp_path / "run"
-    argv = command("simclr_dcl", out)
-    assert forked("simclr_dcl", argv, tmp_path / "err", 3, "TERM", world=2) == [75, 75]
-    assert [shown_lines(open(f"{tmp_path / 'err'}.{rank}").read()) for rank in (0, 1)] == [
-        ["preempted (SIGTERM) in epoch 1 at step 3 of 4: checkpoint.pt written; run the same "
-         "command again to continue"], []]
-    checkpoint = torch.load(out / "checkpoint.pt", weights_only=True)
-    assert (checkpoint["epoch"], checkpoint["step"]) == (0, 3)
-    kill = torchrun_script(argv, ["1", "3", "KILL"])  # epoch 1's 4th step, epoch 2's 1st, 2nd
-    assert kill.returncode != 0
-    assert f"continuing {out} from epoch 1 step 3 (the same command)" in kill.stdout
-    errors = [line for line in kill.stderr.splitlines() if line.startswith("error")]
-    assert len(errors) == 1 and re.fullmatch(
-        r"error: another process of this run stopped \(Connection (reset|closed) by peer\); "
-        r"the last checkpoint is kept: run the same command again to continue", errors[0]
-    ), kill.stderr[-3000:]
-    assert 'common.py", line' not in kill.stderr
-    checkpoint = torch.load(out / "checkpoint.pt", weights_only=True)
-    assert checkpoint["epoch"] == 1 and "step" not in checkpoint  # none from a half-done step
-    again = torchrun_script(argv)
-    assert again.returncode == 0, again.stderr[-3000:]
-    same_run(tmp_path / "straight", out)
