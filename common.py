@@ -770,7 +770,7 @@ class OnlineProbe:
     """The DT authors' online classifier
     (ChaoningZhang/Dual-temperature solo/methods/base.py lines 246,
     335-343, 424-447) on training views' detached features, kept by
-    `keep`, a forward hook on `backbone` (their
+    `keep`, the forward hook online_probes registers (their
     lines 475, 482 read the same features); SGD momentum 0.9
     (solo/args/utils.py line 204), no weight decay, lr 0.3 not scaled
     by the batch (bash_files/*.sh --classifier_lr; utils.py line 212
@@ -780,8 +780,6 @@ class OnlineProbe:
                  name="online_top1", lr=0.3):
         self.backbone, self.name, self.lr = backbone, name, lr
         self.features = []
-        # The features train_step makes reach `keep`.
-        backbone.register_forward_hook(self.keep)
         self.classifier = linear_classifier(
             backbone.out_dim, num_classes, ctx.device, seed)
         self.optimizer = torch.optim.SGD(
@@ -828,8 +826,9 @@ class OnlineProbe:
 
 def online_probes(args, data, ctx, backbone, momentum_encoder=None):
     """--online-probe's OnlineProbes by checkpoint name ({} without
-    it): on `backbone`, and on a momentum encoder's as the DT scripts'
-    --momentum_classifier (base.py lines 631-635, 768-782)."""
+    it), each hooked to its backbone: on `backbone`, and on a momentum
+    encoder's as the DT scripts' --momentum_classifier (base.py lines
+    631-635, 768-782)."""
     if not args.online_probe:
         return {}
     classes = data.num_classes
@@ -838,6 +837,9 @@ def online_probes(args, data, ctx, backbone, momentum_encoder=None):
         probes["momentum_probe"] = OnlineProbe(
             momentum_encoder.backbone, classes, ctx, args.seed,
             "momentum_online_top1")
+    for probe in probes.values():
+        # The features train_step makes reach `keep`.
+        probe.backbone.register_forward_hook(probe.keep)
     return probes
 
 

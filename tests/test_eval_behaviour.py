@@ -187,7 +187,7 @@ def test_online_probe_step_is_an_sgd_step_at_its_lr_times_the_given_scale(float6
     torch.manual_seed(0)
     backbone = common.ResNet("resnet18", 4, 8).train()
     probe = common.OnlineProbe(backbone, 3, CPU, seed=0)
-    backbone.register_forward_hook(probe.keep)  # as main() does
+    backbone.register_forward_hook(probe.keep)  # as online_probes does
     labels = torch.tensor([0, 2, -1, 1])
     features = torch.cat([backbone(torch.randn(4, 3, 8, 8)).detach() for _ in range(2)])
     expected = probe_step_by_hand(probe.classifier, features, labels.repeat(2), 0.3 * 0.25)
@@ -203,7 +203,7 @@ def test_every_training_mode_pass_and_no_evaluation_pass_feeds_the_online_probe(
     torch.manual_seed(0)
     backbone = common.ResNet("resnet18", 4, 8).train()
     probe = common.OnlineProbe(backbone, 3, CPU, seed=0)
-    backbone.register_forward_hook(probe.keep)  # as main() does
+    backbone.register_forward_hook(probe.keep)  # as online_probes does
     labels = torch.tensor([0, 1, 2, 1])
     with torch.no_grad():
         without_grad = backbone(torch.randn(4, 3, 8, 8))
@@ -224,7 +224,7 @@ def test_online_probe_accuracy_is_its_classifier_on_the_raw_features():
     backbone, data = table_data(torch.zeros(0, 2), torch.zeros(0, dtype=torch.long), test_f,
                                 test_y, 2)
     probe = common.OnlineProbe(backbone, 2, CPU, seed=0)
-    backbone.register_forward_hook(probe.keep)  # as main() does
+    backbone.register_forward_hook(probe.keep)  # as online_probes does
     with torch.no_grad():
         probe.classifier.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
         probe.classifier.bias.copy_(torch.tensor([0.0, 1.5]))

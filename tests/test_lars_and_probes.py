@@ -87,7 +87,7 @@ def _lars_and_online_probe_steps(ctx, rows):
                            temperature=0.1, loss="dcl", sigma=0.5)
     optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, 0.5)
     probe = common.OnlineProbe(model.backbone, 3, ctx, seed=0)
-    model.backbone.register_forward_hook(probe.keep)  # as main() does
+    model.backbone.register_forward_hook(probe.keep)  # as online_probes does
     g = torch.Generator().manual_seed(3)
     for _ in range(3):
         views = [torch.randn(8, 3, 8, 8, generator=g, dtype=torch.float64)[rows] for _ in range(2)]
@@ -171,7 +171,7 @@ def test_every_probe_leaves_the_backbone_bit_identical(tiny_folder, tmp_path, st
     backbone = common.ResNet("resnet18", 8, 16)
     backbone.train()
     probe = common.OnlineProbe(backbone, 3, ctx_for(0, 1), seed=0)
-    backbone.register_forward_hook(probe.keep)  # as main() does
+    backbone.register_forward_hook(probe.keep)  # as online_probes does
     for protocol in common.LINEAR_PROTOCOLS:
         out = tmp_path / protocol
         options = ["--linear-protocol", protocol, "--linear-epochs", "2", "--linear-batch", "16"]

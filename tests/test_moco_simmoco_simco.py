@@ -229,7 +229,7 @@ def test_both_views_pass_the_online_encoder_and_feed_the_online_probe_in_every_m
     ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
     model, net, key_encoder, queues, optimizer, args = tiny_setup(method, False, ctx)
     probe = common.OnlineProbe(model.backbone, 3, ctx, seed=0)
-    model.backbone.register_forward_hook(probe.keep)  # as main() does
+    model.backbone.register_forward_hook(probe.keep)  # as online_probes does
     mss.train_step(net, optimizer, step_views(0), args, ctx, key_encoder, queues)
     assert len(torch.cat(probe.features)) == 2 * 8
     assert model.backbone.bn1.num_batches_tracked.item() == 2
