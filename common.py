@@ -1282,21 +1282,29 @@ class EpochMeter:
         self.steps += 1
         self.lr = lr
         scalars = {"loss": loss, **scalars}
-        for name, value in scalars.items():  # summed on the device
-            value = torch.as_tensor(value, device=self.device)
-            self.sums[name] = self.sums.get(name, 0) + value.detach().float()
+        for name, value in scalars.items():
+            # Tensors summed on the device, numbers on the host: a
+            # number sent to a GPU every step would wait for it.
+            if torch.is_tensor(value):
+                value = value.detach().float()
+            self.sums[name] = self.sums.get(name, 0) + value
         if self.steps % self.every or self.bar.disable:
             return
         now = time.perf_counter()
-        loss = self.sums["loss"].item() / self.steps
+        loss = float(self.sums["loss"]) / self.steps
         rate = self.every * self.images_per_step / (now - self.last)
         self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.4g}", img_s=f"{rate:.0f}")
         self.bar.update(self.every)
         self.last = now
 
     def state_dict(self):  # every rank's sums: a collective
-        sums = {k: gather(v.view(1)) for k, v in self.sums.items()}
+        sums = {k: gather(self.tensor(v).view(1))
+                for k, v in self.sums.items()}
         return dict(steps=self.steps, lr=self.lr, sums=sums)
+
+    def tensor(self, total):  # a sum, on the device
+        return torch.as_tensor(total, dtype=torch.float32,
+                               device=self.device)
 
     def load_state_dict(self, state):
         self.steps = state["steps"]
@@ -1311,7 +1319,7 @@ class EpochMeter:
         self.bar.close()
         rows = self.steps * self.world
         # .item() waits for the device: the clock reads a finished epoch.
-        means = {name: all_reduce_sum(total).item() / rows
+        means = {name: all_reduce_sum(self.tensor(total)).item() / rows
                  for name, total in self.sums.items()}
         seconds = time.perf_counter() - self.start
         rate = self.steps * self.images_per_step / seconds

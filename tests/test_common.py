@@ -839,3 +839,23 @@ def test_the_epoch_meter_takes_numbers_and_needs_the_loss():
     assert record["loss"] == 1.5 and record["hits"] == 4.0
     with pytest.raises(TypeError):
         common.EpochMeter(ctx_for(0, 1), 0, 1, 2, 8).update(0.1, hits=1)
+
+
+def test_the_epoch_meter_sends_no_number_to_the_device():
+    """A step's numbers (BYOL's tau) are summed on the host: each made into a tensor on a GPU
+    would be a copy the host waits for (aten.lift_fresh on the CPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+            names.append(str(op))
+            return op(*args, **(kwargs or {}))
+
+    names = []
+    meter = common.EpochMeter(ctx_for(0, 1), 0, 1, 4, 8)
+    loss = torch.tensor(1.0)
+    with Ops():
+        for _ in range(3):
+            meter.update(0.1, loss=loss, ema=0.99)
+    assert not [name for name in names if "lift_fresh" in name], names
+    assert meter.summary()["ema"] == pytest.approx(0.99)

@@ -19,7 +19,6 @@ import common
 import simclr_dcl
 from helpers import FailingWrites, check_run_folder, run_script, smoke_args
 from test_common import fails_with
-from test_runs import flat_tensors
 
 SMALL = ["--proj-hidden", "32", "--linear-epochs", "0"]  # a 1.5 MB checkpoint
 
