@@ -322,8 +322,10 @@ class Augment:
         b = x.shape[0]
         start = rank() * b  # the rank the losses read
         shape = (len(self.recipes), b * world_size(), UNIFORMS)
-        u = torch.rand(
-            shape, generator=generator, device=generator.device)
+        # float32 whatever the default dtype: the same draws, and the
+        # same dtype as the images' x.float()
+        u = torch.rand(shape, generator=generator,
+                       device=generator.device, dtype=torch.float32)
         u = u[:, start:start + b].to(self.ctx.device)  # my rows
         views = [None] * len(self.recipes)
         for group in self.groups:
@@ -455,25 +457,26 @@ def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
                        order[1:].masked_fill(before, 3)])  # (6, B)
     ones = torch.ones_like(brightness)  # none's factor
     factors = torch.stack([brightness, contrast, saturation, ones])
-    factor = factors.gather(0, slots)  # (6, B)
+    # in x's dtype: lerp takes no other
+    factor = factors.gather(0, slots).to(x.dtype)  # (6, B)
     # each slot's factor, and whether it is contrast, saturation
     blends = torch.stack([factor, slots == 1, slots == 2], 1)
     blends = blends.view(18, -1, 1, 1, 1).unbind(0)  # (B, 1, 1, 1)
-    # rgb_to_grayscale's weights
-    luma = x.new_tensor([0.2989, 0.587, 0.114]).view(3, 1, 1)
     for slot in range(6):
         if slot == 3 and hue is not None:
             x = adjust_hue(x, hue)
-        x = blend_op(x, *blends[3 * slot:3 * slot + 3], luma)
+        x = blend_op(x, *blends[3 * slot:3 * slot + 3])
     return x
 
 
-def blend_op(x, factor, contrast, saturation, luma):
+def blend_op(x, factor, contrast, saturation):
     """torchvision's _blend of each image with mean grey where
     `contrast`, grey where `saturation`, else black (brightness):
     factor * x + (1 - factor) * other, clamped; factor 1 leaves it
-    as it is. All (B, 1, 1, 1); luma (3, 1, 1): grey's weights."""
-    grey = (x * luma).sum(1, keepdim=True)  # (B, 1, H, W)
+    as it is. All (B, 1, 1, 1)."""
+    # Its weights are Python numbers: a tensor of them, made here,
+    # would be a blocking copy to the GPU every step.
+    grey = grayscale(x)  # (B, 1, H, W)
     mean = grey.mean((2, 3), keepdim=True)  # (B, 1, 1, 1)
     other = torch.addcmul(contrast * mean, saturation, grey)
     return torch.lerp(other, x, factor).clamp(0, 1)
@@ -488,9 +491,12 @@ def adjust_hue(x, shift):
     value, top = x.max(1, keepdim=True)  # (B, 1, H, W) each
     chroma = value - x.amin(1, keepdim=True)
     gaps = x.roll(-1, 1) - x.roll(-2, 1)  # x[c + 1] - x[c + 2]
-    # A grey pixel's gap is 0: any divisor above 0 gives hue 0.
-    hue = 2 * top + gaps.gather(1, top) / chroma.clamp(min=1e-12)
-    hue = torch.add(hue, shift.view(-1, 1, 1, 1), alpha=6)  # turned
+    # A grey pixel's gap is 0: any divisor above 0 gives hue 0
+    # (float16 rounds 1e-12 to 0: hence its dtype's smallest).
+    tiny = torch.finfo(x.dtype).tiny
+    hue = 2 * top + gaps.gather(1, top) / chroma.clamp(min=tiny)
+    shift = shift.to(x.dtype).view(-1, 1, 1, 1)  # x's dtype out
+    hue = torch.add(hue, shift, alpha=6)  # turned
     n = torch.arange(5, 0, -2, device=x.device, dtype=x.dtype)
     k = (hue + n.view(3, 1, 1)).remainder(6)  # (B, 3, H, W)
     ramp = torch.minimum(k, 4 - k).clamp(0, 1)
@@ -505,6 +511,7 @@ def gaussian_blur(x, sigma, kernel_size):
     offsets = torch.arange(-radius, radius + 1, device=x.device, dtype=x.dtype)
     kernel = torch.exp(-0.5 * (offsets / sigma.view(-1, 1)) ** 2)
     kernel = kernel / kernel.sum(1, keepdim=True)  # (B, K)
+    kernel = kernel.to(x.dtype)  # conv2d takes no other
     kernel = kernel.repeat_interleave(C, 0)  # (B*C, K)
     y = F.pad(x.reshape(1, B * C, H, W), (radius,) * 4, mode="reflect")
     y = F.conv2d(y, kernel.view(B * C, 1, 1, -1), groups=B * C)  # in x
