@@ -126,9 +126,10 @@ def all_reduce_sum(x):
 
 
 class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm over all ranks' rows (equal per rank): means and
-    variances gathered with grad, no host sync (torch's SyncBatchNorm
-    drops empty ranks with masks: 3 syncs a layer)."""
+    """BatchNorm over all ranks' rows (equal per rank) in training,
+    nn's in evaluation. One collective each way, no host sync
+    (torch's SyncBatchNorm drops empty ranks with masks: 3 syncs a
+    layer), at about the ops of nn's: its math is _BatchNormStep."""
 
     def _check_input_dim(self, x):  # (B, C) and (B, C, H, W) alike
         pass
@@ -136,24 +137,60 @@ class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
     def forward(self, x):
         if not self.training:
             return super().forward(x)
-        x = float32(x)  # statistics in float32 at least
-        shape = [1, -1] + [1] * (x.dim() - 2)  # per channel
+        return _BatchNormStep.apply(x, self.weight, self.bias, self)
+
+
+class _BatchNormStep(torch.autograd.Function):
+    """GlobalBatchNorm in training: the ranks' per-channel means and
+    variances gathered forward, the textbook backward's sums of dy
+    and dy * x_hat all-reduced (Ioffe & Szegedy 2015, Sec. 3:
+    Alg. 1 and the chain rule after it). Statistics in float32 at
+    least, output in x's dtype, as nn.BatchNorm2d's under autocast."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, bn):
         dims = [d for d in range(x.dim()) if d != 1]
-        var, mean = torch.var_mean(x, dims, correction=0)  # (C,)
-        stats = torch.stack([mean, var])[None]  # (1, 2, C)
-        means, variances = gather_with_grad(stats).unbind(1)
-        mean = means.mean(0)  # means: (world, C)
-        var = (variances + (means - mean) ** 2).mean(0)  # total variance
+        var, mean = torch.var_mean(float32(x), dims, correction=0)
+        stats = gather(torch.stack([mean, var])[None])  # (world, 2, C)
+        means, variances = stats.unbind(1)  # (world, C) each
+        # Equal rows per rank: the total variance is the mean of
+        # the variances plus the variance of the means.
+        spread, mean = torch.var_mean(means, 0, correction=0)
+        var = variances.mean(0) + spread  # (C,)
         n = x.numel() // x.shape[1] * len(means)  # values per channel
-        with torch.no_grad():
-            self.running_mean.lerp_(mean, self.momentum)
-            unbiased = var * n / (n - 1)  # as torch's
-            self.running_var.lerp_(unbiased, self.momentum)
-            self.num_batches_tracked.add_(1)
-        x = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
-        if not self.affine:
-            return x
-        return x * self.weight.view(shape) + self.bias.view(shape)
+        bn.running_mean.lerp_(mean, bn.momentum)
+        unbiased = var * (n / (n - 1))  # as torch's
+        bn.running_var.lerp_(unbiased, bn.momentum)
+        bn.num_batches_tracked.add_(1)
+        ctx.save_for_backward(x, weight, mean, var)
+        ctx.eps = bn.eps
+        ctx.n = n
+        # nn's evaluation pass, given these statistics
+        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, bn.eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, var = ctx.saved_tensors
+        dims = [d for d in range(x.dim()) if d != 1]
+        shape = [1, -1] + [1] * (x.dim() - 2)  # per channel
+        # x_hat again: saving it would keep a second activation.
+        x_hat = F.batch_norm(
+            float32(x), mean, var, None, None, False, 0.0, ctx.eps)
+        dy = float32(dy)
+        # this rank's sums, (2, C): its share of the affine grads
+        sums = torch.stack([dy.sum(dims), (dy * x_hat).sum(dims)])
+        # their means over every rank's rows, (C,) each
+        mean_dy, mean_dy_x_hat = all_reduce_sum(sums) / ctx.n
+        # dx = (dy - mean_dy - x_hat mean_dy_x_hat) weight
+        # / sqrt(var + eps): nn's evaluation pass, given mean_dy
+        # as its mean, does all but the x_hat term in one op.
+        partial = dy - x_hat * mean_dy_x_hat.view(shape)
+        dx = F.batch_norm(
+            partial, mean_dy, var, weight, None, False, 0.0, ctx.eps)
+        dx = dx.to(x.dtype)
+        if weight is None:
+            return dx, None, None, None
+        return dx, sums[1], sums[0], None
 
 
 def sync_batchnorm(module, ctx):
@@ -212,7 +249,7 @@ def hide_bar(rank):
 def float32(t):
     """The loss's precision: autocast's bf16 -> float32; float32 and
     float64 unchanged."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 # --------------------------------------------------------------------- ResNet
