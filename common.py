@@ -984,6 +984,11 @@ class LARS(torch.optim.Optimizer):
                     trust = (trust / group["lr"]).clamp(max=1)
                 both = (w_norm > 0) & (g_norm > 0)
                 trust = torch.where(both, trust, 1)
+                # A factor a tensor: CUDA fuses _foreach_mul_ of
+                # two lists only where their shapes match, so this
+                # is a kernel a tensor. torch 2.14 has no one call
+                # for factors on the device (its ScalarList forms
+                # read them on the host: a sync).
                 torch._foreach_mul_(g, trust.unbind())
             buffers = [self.state[w]["momentum_buffer"] for w in params]
             torch._foreach_mul_(buffers, group["momentum"])
