@@ -127,9 +127,8 @@ def all_reduce_sum(x):
 
 class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
     """BatchNorm over all ranks' rows (equal per rank) in training,
-    nn's in evaluation. One collective each way, no host sync
-    (torch's SyncBatchNorm drops empty ranks with masks: 3 syncs a
-    layer), at about the ops of nn's: its math is _BatchNormStep."""
+    nn's in evaluation: one collective each way, no host sync
+    (torch's SyncBatchNorm: 3 a layer), about nn's ops."""
 
     def _check_input_dim(self, x):  # (B, C) and (B, C, H, W) alike
         pass
@@ -141,11 +140,9 @@ class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
 
 
 class _BatchNormStep(torch.autograd.Function):
-    """GlobalBatchNorm in training: the ranks' per-channel means and
-    variances gathered forward, the textbook backward's sums of dy
-    and dy * x_hat all-reduced (Ioffe & Szegedy 2015, Sec. 3:
-    Alg. 1 and the chain rule after it). Statistics in float32 at
-    least, output in x's dtype, as nn.BatchNorm2d's under autocast."""
+    """The ranks' (mean, var) gathered; the textbook backward
+    (Ioffe & Szegedy 2015, Sec. 3), its sums all-reduced. Statistics
+    in float32 at least, output in x's dtype, as nn.BatchNorm2d's."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, bn):
@@ -153,8 +150,7 @@ class _BatchNormStep(torch.autograd.Function):
         var, mean = torch.var_mean(float32(x), dims, correction=0)
         stats = gather(torch.stack([mean, var])[None])  # (world, 2, C)
         means, variances = stats.unbind(1)  # (world, C) each
-        # Equal rows per rank: the total variance is the mean of
-        # the variances plus the variance of the means.
+        # equal rows per rank: the variances' mean + the means' one
         spread, mean = torch.var_mean(means, 0, correction=0)
         var = variances.mean(0) + spread  # (C,)
         n = x.numel() // x.shape[1] * len(means)  # values per channel
@@ -163,8 +159,8 @@ class _BatchNormStep(torch.autograd.Function):
         bn.running_var.lerp_(unbiased, bn.momentum)
         bn.num_batches_tracked.add_(1)
         ctx.save_for_backward(x, weight, mean, var)
-        ctx.eps = bn.eps
         ctx.n = n
+        ctx.eps = bn.eps
         # nn's evaluation pass, given these statistics
         return F.batch_norm(x, mean, var, weight, bias, False, 0.0, bn.eps)
 
@@ -173,42 +169,31 @@ class _BatchNormStep(torch.autograd.Function):
         x, weight, mean, var = ctx.saved_tensors
         dims = [d for d in range(x.dim()) if d != 1]
         shape = [1, -1] + [1] * (x.dim() - 2)  # per channel
-        # x_hat again: saving it would keep a second activation.
+        # recomputed: saving it would keep a second activation
         x_hat = F.batch_norm(
             float32(x), mean, var, None, None, False, 0.0, ctx.eps)
         dy = float32(dy)
-        # this rank's sums, (2, C): its share of the affine grads
+        # this rank's sums (2, C): its share of the affine grads
         sums = torch.stack([dy.sum(dims), (dy * x_hat).sum(dims)])
-        # their means over every rank's rows, (C,) each
         mean_dy, mean_dy_x_hat = all_reduce_sum(sums) / ctx.n
-        # dx = (dy - mean_dy - x_hat mean_dy_x_hat) weight
-        # / sqrt(var + eps): nn's evaluation pass, given mean_dy
-        # as its mean, does all but the x_hat term in one op.
+        # dx = (dy - mean_dy - x_hat mean_dy_x_hat) weight /
+        # sqrt(var + eps): nn's evaluation pass with mean_dy as
+        # its mean does all but the x_hat term, in one op.
         partial = dy - x_hat * mean_dy_x_hat.view(shape)
         dx = F.batch_norm(
             partial, mean_dy, var, weight, None, False, 0.0, ctx.eps)
-        dx = dx.to(x.dtype)
         if weight is None:
-            return dx, None, None, None
-        return dx, sums[1], sums[0], None
+            return dx.to(x.dtype), None, None, None
+        return dx.to(x.dtype), sums[1], sums[0], None
 
 
 def sync_batchnorm(module, ctx):
-    """Every BatchNorm of `module`, in place, a GlobalBatchNorm (with
-    more than one process) on its own tensors, which an optimiser
-    built before holds."""
-    if ctx.world == 1:
-        return module
-    for name, child in module.named_children():
-        if not isinstance(child, nn.modules.batchnorm._BatchNorm):
-            sync_batchnorm(child, ctx)
-            continue
-        synced = GlobalBatchNorm(
-            child.num_features, child.eps, child.momentum, child.affine)
-        state = child.state_dict(keep_vars=True)  # not copies
-        for key, tensor in state.items():
-            setattr(synced, key, tensor)
-        setattr(module, name, synced)
+    """Every BatchNorm of `module` a GlobalBatchNorm (with more than
+    one process): the same module, with the tensors an optimiser
+    built before holds, given GlobalBatchNorm's forward."""
+    for m in module.modules():
+        if ctx.world > 1 and isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.__class__ = GlobalBatchNorm
     return module
 
 
@@ -359,8 +344,7 @@ class Augment:
         b = x.shape[0]
         start = rank() * b  # the rank the losses read
         shape = (len(self.recipes), b * world_size(), UNIFORMS)
-        # float32 whatever the default dtype: the same draws, and the
-        # same dtype as the images' x.float()
+        # float32 whatever the default dtype, as x.float()
         u = torch.rand(shape, generator=generator,
                        device=generator.device, dtype=torch.float32)
         u = u[:, start:start + b].to(self.ctx.device)  # my rows
@@ -511,8 +495,7 @@ def blend_op(x, factor, contrast, saturation):
     `contrast`, grey where `saturation`, else black (brightness):
     factor * x + (1 - factor) * other, clamped; factor 1 leaves it
     as it is. All (B, 1, 1, 1)."""
-    # Its weights are Python numbers: a tensor of them, made here,
-    # would be a blocking copy to the GPU every step.
+    # Python numbers as weights: no copy to the GPU a step
     grey = grayscale(x)  # (B, 1, H, W)
     mean = grey.mean((2, 3), keepdim=True)  # (B, 1, 1, 1)
     other = torch.addcmul(contrast * mean, saturation, grey)
@@ -528,9 +511,8 @@ def adjust_hue(x, shift):
     value, top = x.max(1, keepdim=True)  # (B, 1, H, W) each
     chroma = value - x.amin(1, keepdim=True)
     gaps = x.roll(-1, 1) - x.roll(-2, 1)  # x[c + 1] - x[c + 2]
-    # A grey pixel's gap is 0: any divisor above 0 gives hue 0
-    # (float16 rounds 1e-12 to 0: hence its dtype's smallest).
-    tiny = torch.finfo(x.dtype).tiny
+    # A grey pixel's gap is 0: any divisor above 0 gives hue 0.
+    tiny = torch.finfo(x.dtype).tiny  # float16's 1e-12 is 0
     hue = 2 * top + gaps.gather(1, top) / chroma.clamp(min=tiny)
     shift = shift.to(x.dtype).view(-1, 1, 1, 1)  # x's dtype out
     hue = torch.add(hue, shift, alpha=6)  # turned
@@ -609,11 +591,10 @@ def eval_view(images, size):
 
 @torch.no_grad()
 def extract_features(backbone, split, data, ctx, workers=0, unit=True):
-    """Features (L2-normalised if `unit`) of un-augmented images, ranks
+    """Features (L2-normalised if `unit`: float16, the kNN bank, half
+    of float32's GB; else float32) of un-augmented images, ranks
     sharing the work, gathered on every rank -> (N', F), (N',),
-    N' = world * ceil(N / world), padding labelled -1. Unit rows are
-    float16, the kNN bank (ImageNet's, ResNet-50: 5.2 GB, not 10.5),
-    coordinates in [-1, 1] to 5e-4; the others keep float32's range."""
+    N' = world * ceil(N / world), padding labelled -1."""
     was_training = backbone.training
     device = ctx.device
     held = isinstance(split, tuple)  # (images, labels)
@@ -740,16 +721,15 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs,
     """`fixed` protocol: a linear classifier from zero (convex), AdamW
     + cosine -> test top-1 %."""
     rows = (train_y >= 0).nonzero()[:, 0]  # the labelled ones
-    # Their mean and std a chunk at a time: train_f[rows] would
-    # copy the bank. float64 sums: E[f^2] - E[f]^2 cancels.
+    # a chunk at a time (train_f[rows] copies the bank), float64:
+    # E[f^2] - E[f]^2 cancels
     sums = 0
     for chunk in rows.split(16384):
         f = train_f[chunk].double()  # (<= 16384, F)
         sums = sums + torch.stack([f.sum(0), f.square().sum(0)])
-    mean = sums[0] / len(rows)
-    std = (sums[1] / len(rows) - mean ** 2).clamp_min(0).sqrt()
+    mean, square = sums / len(rows)  # E[f], E[f^2]
+    std = (square - mean ** 2).clamp_min(0).sqrt().float()
     mean = mean.float()
-    std = std.float()
 
     def standardised(f):
         return (f - mean) / (std + 1e-6)
@@ -997,11 +977,8 @@ class LARS(torch.optim.Optimizer):
                     trust = (trust / group["lr"]).clamp(max=1)
                 both = (w_norm > 0) & (g_norm > 0)
                 trust = torch.where(both, trust, 1)
-                # A factor a tensor: CUDA fuses _foreach_mul_ of
-                # two lists only where their shapes match, so this
-                # is a kernel a tensor. torch 2.14 has no one call
-                # for factors on the device (its ScalarList forms
-                # read them on the host: a sync).
+                # A kernel a tensor on CUDA: torch 2.14 fuses no
+                # factor per tensor held on the device.
                 torch._foreach_mul_(g, trust.unbind())
             buffers = [self.state[w]["momentum_buffer"] for w in params]
             torch._foreach_mul_(buffers, group["momentum"])
