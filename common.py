@@ -191,8 +191,9 @@ def sync_batchnorm(module, ctx):
     """Every BatchNorm of `module` a GlobalBatchNorm (with more than
     one process): the same module, with the tensors an optimiser
     built before holds, given GlobalBatchNorm's forward."""
+    batchnorm = nn.modules.batchnorm._BatchNorm
     for m in module.modules():
-        if ctx.world > 1 and isinstance(m, nn.modules.batchnorm._BatchNorm):
+        if ctx.world > 1 and isinstance(m, batchnorm):
             m.__class__ = GlobalBatchNorm
     return module
 
