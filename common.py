@@ -126,9 +126,9 @@ def all_reduce_sum(x):
 
 
 class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm over all ranks' rows (equal per rank): means and
-    variances gathered with grad, no host sync (torch's SyncBatchNorm
-    drops empty ranks with masks: 3 syncs a layer)."""
+    """BatchNorm over all ranks' rows (equal per rank) in training,
+    nn's in evaluation: one collective each way, no host sync
+    (torch's SyncBatchNorm: 3 a layer), about nn's ops."""
 
     def _check_input_dim(self, x):  # (B, C) and (B, C, H, W) alike
         pass
@@ -136,42 +136,65 @@ class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
     def forward(self, x):
         if not self.training:
             return super().forward(x)
-        x = float32(x)  # statistics in float32 at least
-        shape = [1, -1] + [1] * (x.dim() - 2)  # per channel
+        return _BatchNormStep.apply(x, self.weight, self.bias, self)
+
+
+class _BatchNormStep(torch.autograd.Function):
+    """The ranks' (mean, var) gathered; the textbook backward
+    (Ioffe & Szegedy 2015, Sec. 3), its sums all-reduced. Statistics
+    in float32 at least, output in x's dtype, as nn.BatchNorm2d's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, bn):
         dims = [d for d in range(x.dim()) if d != 1]
-        var, mean = torch.var_mean(x, dims, correction=0)  # (C,)
-        stats = torch.stack([mean, var])[None]  # (1, 2, C)
-        means, variances = gather_with_grad(stats).unbind(1)
-        mean = means.mean(0)  # means: (world, C)
-        var = (variances + (means - mean) ** 2).mean(0)  # total variance
+        var, mean = torch.var_mean(float32(x), dims, correction=0)
+        stats = gather(torch.stack([mean, var])[None])  # (world, 2, C)
+        means, variances = stats.unbind(1)  # (world, C) each
+        # equal rows per rank: the variances' mean + the means' one
+        spread, mean = torch.var_mean(means, 0, correction=0)
+        var = variances.mean(0) + spread  # (C,)
         n = x.numel() // x.shape[1] * len(means)  # values per channel
-        with torch.no_grad():
-            self.running_mean.lerp_(mean, self.momentum)
-            unbiased = var * n / (n - 1)  # as torch's
-            self.running_var.lerp_(unbiased, self.momentum)
-            self.num_batches_tracked.add_(1)
-        x = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
-        if not self.affine:
-            return x
-        return x * self.weight.view(shape) + self.bias.view(shape)
+        bn.running_mean.lerp_(mean, bn.momentum)
+        unbiased = var * (n / (n - 1))  # as torch's
+        bn.running_var.lerp_(unbiased, bn.momentum)
+        bn.num_batches_tracked.add_(1)
+        ctx.save_for_backward(x, weight, mean, var)
+        ctx.n = n
+        ctx.eps = bn.eps
+        # nn's evaluation pass, given these statistics
+        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, bn.eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, var = ctx.saved_tensors
+        dims = [d for d in range(x.dim()) if d != 1]
+        shape = [1, -1] + [1] * (x.dim() - 2)  # per channel
+        # recomputed: saving it would keep a second activation
+        x_hat = F.batch_norm(
+            float32(x), mean, var, None, None, False, 0.0, ctx.eps)
+        dy = float32(dy)
+        # this rank's sums (2, C): its share of the affine grads
+        sums = torch.stack([dy.sum(dims), (dy * x_hat).sum(dims)])
+        mean_dy, mean_dy_x_hat = all_reduce_sum(sums) / ctx.n
+        # dx = (dy - mean_dy - x_hat mean_dy_x_hat) weight /
+        # sqrt(var + eps): nn's evaluation pass with mean_dy as
+        # its mean does all but the x_hat term, in one op.
+        partial = dy - x_hat * mean_dy_x_hat.view(shape)
+        dx = F.batch_norm(
+            partial, mean_dy, var, weight, None, False, 0.0, ctx.eps)
+        if weight is None:
+            return dx.to(x.dtype), None, None, None
+        return dx.to(x.dtype), sums[1], sums[0], None
 
 
 def sync_batchnorm(module, ctx):
-    """Every BatchNorm of `module`, in place, a GlobalBatchNorm (with
-    more than one process) on its own tensors, which an optimiser
-    built before holds."""
-    if ctx.world == 1:
-        return module
-    for name, child in module.named_children():
-        if not isinstance(child, nn.modules.batchnorm._BatchNorm):
-            sync_batchnorm(child, ctx)
-            continue
-        synced = GlobalBatchNorm(
-            child.num_features, child.eps, child.momentum, child.affine)
-        state = child.state_dict(keep_vars=True)  # not copies
-        for key, tensor in state.items():
-            setattr(synced, key, tensor)
-        setattr(module, name, synced)
+    """Every BatchNorm of `module` a GlobalBatchNorm (with more than
+    one process): the same module, with the tensors an optimiser
+    built before holds, given GlobalBatchNorm's forward."""
+    batchnorm = nn.modules.batchnorm._BatchNorm
+    for m in module.modules():
+        if ctx.world > 1 and isinstance(m, batchnorm):
+            m.__class__ = GlobalBatchNorm
     return module
 
 
@@ -212,7 +235,7 @@ def hide_bar(rank):
 def float32(t):
     """The loss's precision: autocast's bf16 -> float32; float32 and
     float64 unchanged."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 # --------------------------------------------------------------------- ResNet
@@ -322,8 +345,9 @@ class Augment:
         b = x.shape[0]
         start = rank() * b  # the rank the losses read
         shape = (len(self.recipes), b * world_size(), UNIFORMS)
-        u = torch.rand(
-            shape, generator=generator, device=generator.device)
+        # float32 whatever the default dtype, as x.float()
+        u = torch.rand(shape, generator=generator,
+                       device=generator.device, dtype=torch.float32)
         u = u[:, start:start + b].to(self.ctx.device)  # my rows
         views = [None] * len(self.recipes)
         for group in self.groups:
@@ -455,25 +479,25 @@ def colour_jitter(x, brightness, contrast, saturation, hue=None, order=None):
                        order[1:].masked_fill(before, 3)])  # (6, B)
     ones = torch.ones_like(brightness)  # none's factor
     factors = torch.stack([brightness, contrast, saturation, ones])
-    factor = factors.gather(0, slots)  # (6, B)
+    # in x's dtype: lerp takes no other
+    factor = factors.gather(0, slots).to(x.dtype)  # (6, B)
     # each slot's factor, and whether it is contrast, saturation
     blends = torch.stack([factor, slots == 1, slots == 2], 1)
     blends = blends.view(18, -1, 1, 1, 1).unbind(0)  # (B, 1, 1, 1)
-    # rgb_to_grayscale's weights
-    luma = x.new_tensor([0.2989, 0.587, 0.114]).view(3, 1, 1)
     for slot in range(6):
         if slot == 3 and hue is not None:
             x = adjust_hue(x, hue)
-        x = blend_op(x, *blends[3 * slot:3 * slot + 3], luma)
+        x = blend_op(x, *blends[3 * slot:3 * slot + 3])
     return x
 
 
-def blend_op(x, factor, contrast, saturation, luma):
+def blend_op(x, factor, contrast, saturation):
     """torchvision's _blend of each image with mean grey where
     `contrast`, grey where `saturation`, else black (brightness):
     factor * x + (1 - factor) * other, clamped; factor 1 leaves it
-    as it is. All (B, 1, 1, 1); luma (3, 1, 1): grey's weights."""
-    grey = (x * luma).sum(1, keepdim=True)  # (B, 1, H, W)
+    as it is. All (B, 1, 1, 1)."""
+    # Python numbers as weights: no copy to the GPU a step
+    grey = grayscale(x)  # (B, 1, H, W)
     mean = grey.mean((2, 3), keepdim=True)  # (B, 1, 1, 1)
     other = torch.addcmul(contrast * mean, saturation, grey)
     return torch.lerp(other, x, factor).clamp(0, 1)
@@ -489,8 +513,10 @@ def adjust_hue(x, shift):
     chroma = value - x.amin(1, keepdim=True)
     gaps = x.roll(-1, 1) - x.roll(-2, 1)  # x[c + 1] - x[c + 2]
     # A grey pixel's gap is 0: any divisor above 0 gives hue 0.
-    hue = 2 * top + gaps.gather(1, top) / chroma.clamp(min=1e-12)
-    hue = torch.add(hue, shift.view(-1, 1, 1, 1), alpha=6)  # turned
+    tiny = torch.finfo(x.dtype).tiny  # float16's 1e-12 is 0
+    hue = 2 * top + gaps.gather(1, top) / chroma.clamp(min=tiny)
+    shift = shift.to(x.dtype).view(-1, 1, 1, 1)  # x's dtype out
+    hue = torch.add(hue, shift, alpha=6)  # turned
     n = torch.arange(5, 0, -2, device=x.device, dtype=x.dtype)
     k = (hue + n.view(3, 1, 1)).remainder(6)  # (B, 3, H, W)
     ramp = torch.minimum(k, 4 - k).clamp(0, 1)
@@ -505,6 +531,7 @@ def gaussian_blur(x, sigma, kernel_size):
     offsets = torch.arange(-radius, radius + 1, device=x.device, dtype=x.dtype)
     kernel = torch.exp(-0.5 * (offsets / sigma.view(-1, 1)) ** 2)
     kernel = kernel / kernel.sum(1, keepdim=True)  # (B, K)
+    kernel = kernel.to(x.dtype)  # conv2d takes no other
     kernel = kernel.repeat_interleave(C, 0)  # (B*C, K)
     y = F.pad(x.reshape(1, B * C, H, W), (radius,) * 4, mode="reflect")
     y = F.conv2d(y, kernel.view(B * C, 1, 1, -1), groups=B * C)  # in x
@@ -565,9 +592,10 @@ def eval_view(images, size):
 
 @torch.no_grad()
 def extract_features(backbone, split, data, ctx, workers=0, unit=True):
-    """Features (L2-normalised if `unit`) of un-augmented images, ranks
-    sharing the work, gathered on every rank -> float32 (N', F),
-    (N',), N' = world * ceil(N / world), padding labelled -1."""
+    """Features (L2-normalised if `unit`: float16, the kNN bank, half
+    of float32's GB; else float32) of un-augmented images, ranks
+    sharing the work, gathered on every rank -> (N', F), (N',),
+    N' = world * ceil(N / world), padding labelled -1."""
     was_training = backbone.training
     device = ctx.device
     held = isinstance(split, tuple)  # (images, labels)
@@ -582,7 +610,9 @@ def extract_features(backbone, split, data, ctx, workers=0, unit=True):
             torch.utils.data.Subset(split, range(lo, hi)), 256,
             num_workers=workers, pin_memory=device.type == "cuda",
             generator=torch.Generator())
-    features = torch.zeros(share, backbone.out_dim, device=device)
+    dtype = torch.float16 if unit else torch.float32
+    features = torch.zeros(
+        share, backbone.out_dim, device=device, dtype=dtype)
     labels = torch.full((share,), -1, dtype=torch.long, device=device)
     mean = torch.tensor(data.mean, device=device)  # copied to the device once
     std = torch.tensor(data.std, device=device)
@@ -692,7 +722,15 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs,
     """`fixed` protocol: a linear classifier from zero (convex), AdamW
     + cosine -> test top-1 %."""
     rows = (train_y >= 0).nonzero()[:, 0]  # the labelled ones
-    std, mean = torch.std_mean(train_f[rows], 0, correction=0)
+    # a chunk at a time (train_f[rows] copies the bank), float64:
+    # E[f^2] - E[f]^2 cancels
+    sums = 0
+    for chunk in rows.split(16384):
+        f = train_f[chunk].double()  # (<= 16384, F)
+        sums = sums + torch.stack([f.sum(0), f.square().sum(0)])
+    mean, square = sums / len(rows)  # E[f], E[f^2]
+    std = (square - mean ** 2).clamp_min(0).sqrt().float()
+    mean = mean.float()
 
     def standardised(f):
         return (f - mean) / (std + 1e-6)
@@ -944,6 +982,8 @@ class LARS(torch.optim.Optimizer):
                     trust = (trust / group["lr"]).clamp(max=1)
                 both = (w_norm > 0) & (g_norm > 0)
                 trust = torch.where(both, trust, 1)
+                # A kernel a tensor on CUDA: torch 2.14 fuses no
+                # factor per tensor held on the device.
                 torch._foreach_mul_(g, trust.unbind())
             buffers = [self.state[w]["momentum_buffer"] for w in params]
             torch._foreach_mul_(buffers, group["momentum"])

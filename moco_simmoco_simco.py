@@ -128,10 +128,11 @@ def momentum_encoder(model, ctx):
 def ema_update(target, online, momentum):
     """target <- momentum * target + (1 - momentum) * online.
 
-    Parameter by parameter. BatchNorm's running statistics are not
+    Every parameter in one call: a GPU would launch a kernel for
+    each lerp_ of a loop. BatchNorm's running statistics are not
     averaged: the target, in train mode, keeps its own."""
-    for t, o in zip(target.parameters(), online.parameters()):
-        t.lerp_(o, 1 - momentum)
+    torch._foreach_lerp_(list(target.parameters()),
+                         list(online.parameters()), 1 - momentum)
 
 
 class KeyQueue(nn.Module):

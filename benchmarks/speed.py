@@ -9,7 +9,8 @@ syncs per loop step (CUDA: torch.cuda.set_sync_debug_mode("warn"); target 0); pe
 Then what the host dispatches: per method, the aten ops one step calls (counted with a
 TorchDispatchMode: on a GPU each is a kernel launch) in common.Augment, in the rest of train_step
 beyond the bare network step, and in the bare step, and their host ms at a size where dispatch is
-all that costs (two 4 px images a step). Below it: common.Augment against torchvision's per-image
+all that costs (two 4 px images a step); then train_step's ops at 2 processes beside 1 (the
+global BatchNorm, the gathers, DDP). Below it: common.Augment against torchvision's per-image
 PIL pipeline, and common.LARS's step against torch.optim.SGD's on the same ResNet-18.
 
     python benchmarks/speed.py --device cuda                # real size: w64, 32 px, batch 256/512
@@ -23,13 +24,16 @@ import gc
 import os
 import platform
 import resource
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from PIL import Image
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -289,15 +293,14 @@ def ops_in(fn):
     return counter.ops
 
 
-def dispatch_row(name, preset, ctx):
-    """Method `name` (the preset's width and heads) on batches of two 4 px images: the ops one
-    step dispatches in common.Augment (the file's recipes), in train_step beyond the bare network
-    step (the loss, diagnostics and bookkeeping: EMA, queue, support set) and in the bare step
-    (the same network calls, a trivial loss, backward, the optimiser), after a first step (which
-    makes the optimiser's state); then each one's host ms a step -> row."""
+def dispatch_steps(name, preset, ctx):
+    """Method `name` (the preset's width and heads) on this process's DISPATCH_BATCH images of
+    DISPATCH_IMAGE px, after a first step (which makes the optimiser's state) -> its views and
+    one step's calls: common.Augment (the file's recipes), train_step, the bare step (the same
+    network calls, a trivial loss, backward, the optimiser)."""
     mod, options = METHODS[name]
     argv = [*options, "--width", str(preset.width), *preset.heads.get(mod, []),
-            "--batch-size", str(DISPATCH_BATCH)]
+            "--batch-size", str(DISPATCH_BATCH * ctx.world)]
     t = training(mod, argv, ctx, DISPATCH_IMAGE)
     mean, std = common.STATS["cifar10"]
     augment = common.Augment(mod.recipes(t.args), DISPATCH_IMAGE, mean, std, ctx)
@@ -308,12 +311,48 @@ def dispatch_row(name, preset, ctx):
     order, generator = common.epoch_generators(t.args.seed, 0, ctx.device)
     views = augment(images, generator)
     calls = recorded_step(t, views, labels, order)
-    steps = {"augment": lambda: augment(images, generator),
-             "step": lambda: t.step(views, labels, order),
-             "bare": lambda: bare_step(calls, t.optimizer, ctx)}
+    return len(views), {"augment": lambda: augment(images, generator),
+                        "step": lambda: t.step(views, labels, order),
+                        "bare": lambda: bare_step(calls, t.optimizer, ctx)}
+
+
+def dispatch_row(name, preset, ctx):
+    """The ops one step of method `name` dispatches in common.Augment, in train_step beyond the
+    bare network step (the loss, diagnostics and bookkeeping: EMA, queue, support set) and in the
+    bare step; then each one's host ms a step -> row."""
+    views, steps = dispatch_steps(name, preset, ctx)
     ops = {k: ops_in(fn) for k, fn in steps.items()}
     ms = {k: 1e3 * seconds_per_call(fn, ctx.device, 10) for k, fn in steps.items()}
-    return {"method": name, "views": len(views), "ops": ops, "ms": ms}
+    return {"method": name, "views": views, "ops": ops, "ms": ms}
+
+
+def two_process_worker(rank, port, names, preset, out):
+    """Rank `rank` of 2 gloo processes on the CPU: each method's train_step ops (a rank's, after a
+    first step) with GlobalBatchNorm, the gathers and DDP; rank 0 saves {name: ops} to `out`."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    ctx = common.Context(rank, 2, 0, torch.device("cpu"), "", False)
+    preset.heads = {sys.modules[mod]: argv for mod, argv in preset.heads.items()}
+    ops = {name: ops_in(dispatch_steps(name, preset, ctx)[1]["step"]) for name in names}
+    if rank == 0:
+        torch.save(ops, out)
+    dist.destroy_process_group()
+
+
+def two_process_ops(names, preset):
+    """{name: train_step ops of a rank at 2 processes}, counted in 2 gloo processes on the CPU
+    whatever the device: the ops dispatched do not depend on it."""
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "ops.pt")
+        # the heads by module name: a module cannot be pickled
+        heads = {mod.__name__: argv for mod, argv in preset.heads.items()}
+        preset = replace(preset, heads=heads)
+        torch.multiprocessing.spawn(two_process_worker, (port, names, preset, out), nprocs=2)
+        return torch.load(out)
 
 
 # ------------------------------------------------------------------------------ baselines
@@ -422,14 +461,24 @@ def main(argv=None):
         markdown_row(["method", "views", "augmentation ops (a view)", "rest ops", "bare step ops",
                       "(augmentation + train_step) / bare", "augmentation ms", "train_step ms",
                       "bare step ms"]), "|" + "---|" * 9)
+    one_process = {}
     for name in o.methods:
         r = dispatch_row(name, preset, ctx)
         ops = r["ops"]
+        one_process[name] = ops["step"]
         ms = r["ms"]
         say(markdown_row([name, r["views"], f"{ops['augment']:,} ({ops['augment'] / r['views']:.0f})",
                           number(ops["step"] - ops["bare"]), number(ops["bare"]),
                           f"{(ops['augment'] + ops['step']) / ops['bare']:.2f}",
                           f"{ms['augment']:.2f}", f"{ms['step']:.2f}", f"{ms['bare']:.2f}"]))
+    say("", "The same train_step at 2 processes: a rank's ops, with the global BatchNorm, the "
+        "gathers and DDP's all-reduce (2 gloo processes on the CPU, whatever the device: the ops "
+        "do not depend on it).", "",
+        markdown_row(["method", "train_step ops, 1 process", "2 processes", "ratio"]),
+        "|---|---|---|---|")
+    for name, ops in two_process_ops(o.methods, preset).items():
+        say(markdown_row([name, number(one_process[name]), number(ops),
+                          f"{ops / one_process[name]:.2f}"]))
     ours, pil, workers = augmentation_rates(preset, ctx)
     lars, sgd = optimizer_step_ms(preset, ctx)
     say("", markdown_row(["baseline", "ours", "theirs", "ratio"]), "|---|---|---|---|",
