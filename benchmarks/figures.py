@@ -117,6 +117,19 @@ def panels(count, title):
                  for i in range(count)]
 
 
+def doubling_axis(ax, sizes, xlabel):
+    """A batch or dictionary size that doubles: a point per size,
+    evenly spaced, each labelled."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(n) for n in sizes], fontsize=7)
+    ax.set_xlabel(xlabel)
+
+
+def caption(fig, lines):
+    """The measured values, under the panels."""
+    fig.supxlabel("\n".join(lines), fontsize=9)
+
+
 def epochs_axis(ax, title, ylabel=None):
     ax.set(title=title, xlabel="epoch", ylabel=ylabel)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -124,7 +137,8 @@ def epochs_axis(ax, title, ylabel=None):
 
 def save(fig, saved, out, figure):
     for ax in fig.axes:
-        if ax.get_legend_handles_labels()[0]:
+        labelled = ax.get_legend_handles_labels()[0]
+        if labelled and not ax.get_legend():
             ax.legend(fontsize=7)
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, figure)
@@ -132,6 +146,7 @@ def save(fig, saved, out, figure):
     with open(path + ".json", "w") as f:
         json.dump(saved, f, indent=1)
     print(f"written: {path}.png and {path}.json")
+    print(fig.get_supxlabel())
 
 
 # ------------ DCL Fig. 1
@@ -158,40 +173,50 @@ def dcl_figure(runs):
     axes[-2].set(title="mean <q_B>")
     axes[-1].set(title="C_v = std / mean of q_B")
     saved = {}
+    lines = []
     for run, ax in zip(runs, axes):
         args, q = npc_by_batch(run)
         label = f"{name(run)} (--loss {args.loss})"
-        # Bins even in logit(q_B) = log U - pos, on a logit
-        # axis: a q_B close to 1 stays readable.
-        logits = torch.cat(list(q.values())).logit()
-        edges = torch.linspace(logits.min().item(),
-                               logits.max().item(), 41)
+        # Bins even in q_B up to its bound 1: at this scale most
+        # of q_B's range is empty, and the figure shows that.
+        low = torch.cat(list(q.values())).min().item()
+        edges = torch.linspace(low, 1, 41)
         rows = {}
         for size, values in q.items():
-            counts = torch.histogram(values.logit(), edges).hist
+            counts = torch.histogram(values, edges).hist
             share = counts / len(values)
-            ax.stairs(share, edges.sigmoid(), label=f"N = {size}")
+            ax.stairs(share, edges, label=f"N = {size}")
             cv = values.std(correction=0) / values.mean()
             rows[size] = dict(mean=values.mean().item(),
                               cv=cv.item(), share=share.tolist())
-        ax.set(xscale="logit", xlabel="q_B", title=label,
+        ax.set(xlabel="q_B", title=label,
                ylabel="share of anchors")
         sizes = list(rows)
         for key, side in zip(("mean", "cv"), axes[-2:]):
             side.plot(sizes, [rows[n][key] for n in sizes], "o-",
                       label=label)
         saved[name(run)] = dict(loss=args.loss, batch_sizes=rows,
-                                bin_edges=edges.sigmoid().tolist())
+                                bin_edges=edges.tolist())
+        first = rows[sizes[0]]
+        last = rows[sizes[-1]]
+        lines.append(f"{label}, from N = {sizes[0]} to "
+                     f"{sizes[-1]}: <q_B> {first['mean']:.3f} -> "
+                     f"{last['mean']:.3f}, C_v {first['cv']:.3f} "
+                     f"-> {last['cv']:.4f}")
+    # q_B lies in (0, 1), C_v from 0: both axes start at 0.
+    axes[-2].set_ylim(0, 1)
+    axes[-2].legend(loc="lower right", fontsize=7)
+    axes[-1].set_ylim(bottom=0)
     for ax in axes[-2:]:
-        ax.set(xscale="log", xlabel="batch size N")
-        ax.set_xticks(sizes, [str(n) for n in sizes])
+        doubling_axis(ax, sizes, "batch size N")
+    caption(fig, lines)
     return fig, saved
 
 
 # ------------ DT Fig. 3
 @torch.no_grad()
 def entropy_by_dictionary(run, anchors=256):
-    """The run's options, dictionary sizes K and {tau_beta:
+    """The run's options, dictionary sizes K, A and {tau_beta:
     H(r_+) / log A at each K} of A anchors, by the script's
     dual_temperature_loss and anchor_weight_stats."""
     script, args, state, (x1, x2) = rebuild(run, 2048)
@@ -217,33 +242,79 @@ def entropy_by_dictionary(run, anchors=256):
             h = script.anchor_weight_stats(*w)[2]
             # log A, the entropy of equal weights, is the most.
             entropy[tau].append(h.item() / math.log(a))
-    return args, sizes, entropy
+    return args, sizes, a, entropy
+
+
+def pull(label, sizes, anchors, spread):
+    """A caption line: how many anchors carry the pull, from
+    {tau_beta: exp(H) at each K}."""
+    tau = min(spread)
+    fewest = [min(row[i] for row in spread.values())
+              for i in range(len(sizes))]
+    if min(fewest) >= 0.95 * anchors:
+        return (f"{label}: {min(fewest):.0f} to {anchors} of "
+                f"{anchors} anchors at every K and tau_beta, "
+                f"r_+ uniform at this scale")
+    # From which K on 99% of the anchors or more pull, at every
+    # tau_beta.
+    k, most = next((k, n) for k, n in zip(sizes, fewest)
+                   if n >= 0.99 * anchors or k == sizes[-1])
+    return (f"{label} at K = {sizes[0]}, tau_beta = {tau}: "
+            f"{spread[tau][0]:.0f} of {anchors} anchors carry the "
+            f"pull; from K = {k}, {most:.0f} or more")
 
 
 def dt_figure(runs):
     fig, axes = panels(len(runs), "DT Fig. 3")
     saved = {}
+    lines = []
     for run, ax in zip(runs, axes):
-        args, sizes, entropy = entropy_by_dictionary(run)
-        for tau, row in entropy.items():
+        args, sizes, anchors, entropy = entropy_by_dictionary(run)
+        # exp(H(r_+)): the number of anchors that would carry the
+        # pull if they carried it equally; A at most.
+        spread = {tau: [anchors ** h for h in row]
+                  for tau, row in entropy.items()}
+        for tau, row in spread.items():
             ax.plot(sizes, row, "o-", label=f"tau_beta = {tau}")
-        # A logit axis spreads the values close to 1.
-        ax.set(xscale="log", yscale="logit",
-               xlabel="dictionary size K",
-               ylabel="H(r_+) / log(anchors)",
-               title=f"{name(run)} (--method {args.method})")
+        ax.set_ylim(0, anchors * 1.05)
+        doubling_axis(ax, sizes, "dictionary size K")
+        label = f"{name(run)} (--method {args.method})"
+        ax.set(ylabel=f"exp(H(r_+)), of {anchors} anchors",
+               title=label)
+        lines.append(pull(label, sizes, anchors, spread))
         saved[name(run)] = dict(dictionary_sizes=sizes,
-                                normalised_entropy=entropy)
+                                anchors=anchors,
+                                normalised_entropy=entropy,
+                                effective_anchors=spread)
+    caption(fig, lines)
     return fig, saved
 
 
 # ------------ GSG Figs. 4, 5
+def trend(points):
+    """'first -> last' of [[epoch, value], ...], with the peak
+    where it is not the last."""
+    values = [value for _, value in points]
+    text = f"{values[0]:.3g} -> {values[-1]:.3g}"
+    epoch, peak = max(points, key=lambda point: point[1])
+    if peak > values[-1]:
+        text += f" (peak {peak:.3g}, epoch {epoch})"
+    return text
+
+
 def gsg_figure(runs):
     fig, axes = panels(3, "GSG Figs. 4, 5")
     epochs_axis(axes[0], "Fig. 4: with predictor", "kNN top-1 (%)")
     epochs_axis(axes[1], "Fig. 5: no predictor", "kNN top-1 (%)")
     epochs_axis(axes[2], "Fig. 5: no predictor", "proj_std")
+    # Accuracy and proj_std both start at 0 (proj_std 0: all
+    # projections the same, a full collapse).
+    axes[0].set_ylim(0, 100)
+    axes[1].set_ylim(0, 100)
+    axes[2].set_ylim(bottom=0)
     saved = {}
+    fig4 = []
+    fig5 = []
     for run in runs:
         alone = config(run)["args"]["no_predictor"]
         shown = {"knn_top1": axes[0]}
@@ -255,6 +326,19 @@ def gsg_figure(runs):
             points = per_epoch(run, key)
             ax.plot(*zip(*points), "o-", label=name(run))
             saved[name(run)][key] = points
+        trends = [f"{key} {trend(points)}"
+                  for key, points in saved[name(run)].items()]
+        (fig5 if alone else fig4).append(
+            f"{name(run)} " + ", ".join(trends))
+    lines = ["Fig. 4 (one seed each): " + "; ".join(fig4)]
+    lines += [f"Fig. 5: {line}" for line in fig5]
+    if fig5:
+        # SimSiam Sec. 4.1; the runs share one D.
+        dim = config(run)["args"]["proj_dim"]
+        lines.append(f"proj_std: 0 if all projections coincide, "
+                     f"about 1/sqrt({dim}) = {dim ** -0.5:.3f} "
+                     f"if they spread")
+    caption(fig, lines)
     return fig, saved
 
 

@@ -54,7 +54,8 @@ def test_colour_op_with_per_sample_factor_matches_torchvision(op, tv_op, factors
     x = images()
     out = op(x, torch.tensor(factors))
     for i, f in enumerate(factors):
-        assert torch.allclose(out[i], tv_op(x[i], f), atol=2e-6), f
+        torch.testing.assert_close(out[i], tv_op(x[i], f), rtol=1e-5, atol=2e-6,
+                                   msg=lambda m: f"{f}: {m}")
 
 
 TV_JITTER_OPS = (TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation, TF.adjust_hue)
@@ -73,7 +74,8 @@ def test_colour_jitter_in_each_of_the_24_orders_matches_torchvision():
         expect = x[i]
         for op in order:
             expect = TV_JITTER_OPS[op](expect, float(factors[op][i]))
-        assert torch.allclose(out[i], expect, atol=1e-6), order
+        torch.testing.assert_close(out[i], expect, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{order}: {m}")
 
 
 def test_every_colour_jitter_order_is_drawn_with_frequency_one_in_24(monkeypatch):
@@ -116,14 +118,16 @@ def test_solarize_and_blur_match_torchvision():
     solarized = Augment([Recipe(**{**vars(plain), "solarize_p": 1.0})], 16, mean, std,
                         ctx_for(0, 1))(x, torch.Generator().manual_seed(0))[0]
     for i in range(4):
-        assert torch.equal(views[1][i], TF.solarize(views[0][i], 0.5))
-        assert torch.allclose(solarized[i], TF.normalize(TF.solarize(views[0][i], 0.5), mean,
-                                                         std), atol=1e-6)
+        torch.testing.assert_close(views[1][i], TF.solarize(views[0][i], 0.5), rtol=0, atol=0)
+        torch.testing.assert_close(solarized[i],
+                                   TF.normalize(TF.solarize(views[0][i], 0.5), mean, std),
+                                   rtol=1e-5, atol=1e-6)
     x = images()
     sigmas = [0.3, 0.9, 1.5, 2.0]
     blurred = common.gaussian_blur(x, torch.tensor(sigmas), 7)
     for i, s in enumerate(sigmas):
-        assert torch.allclose(blurred[i], TF.gaussian_blur(x[i], [7, 7], [s, s]), atol=1e-6), s
+        torch.testing.assert_close(blurred[i], TF.gaussian_blur(x[i], [7, 7], [s, s]), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m: f"{s}: {m}")
 
 
 def test_resized_crop_and_flip_match_torchvision():
@@ -141,7 +145,7 @@ def test_resized_crop_and_flip_match_torchvision():
             x[i], int(top[i]), int(left[i]), int(h[i]), int(w[i]), [16, 16], antialias=False
         )
         expect = TF.hflip(expect) if flip[i] else expect
-        assert torch.allclose(out[i], expect, atol=1e-5), i
+        torch.testing.assert_close(out[i], expect, rtol=1e-5, atol=1e-5, msg=lambda m: f"{i}: {m}")
     up = common.resized_crop_flip(
         x[:1],
         torch.tensor([8.0]),
@@ -152,7 +156,7 @@ def test_resized_crop_and_flip_match_torchvision():
         24,
     )
     expect = TF.resized_crop(x[0], 8, 9, 10, 12, [24, 24], antialias=False)
-    assert torch.allclose(up[0, :, 2:-2, 2:-2], expect[:, 2:-2, 2:-2], atol=1e-5)
+    torch.testing.assert_close(up[0, :, 2:-2, 2:-2], expect[:, 2:-2, 2:-2], rtol=1e-5, atol=1e-5)
 
 
 def test_crop_boxes_respect_scale_and_ratio_ranges():
@@ -211,7 +215,7 @@ def test_ranks_augment_their_rows_exactly_as_one_process(monkeypatch):
         monkeypatch.setattr(common, "rank", lambda: r)
         parts.append(augment(x[4 * r : 4 * r + 4], torch.Generator().manual_seed(1)))
     for v in range(2):
-        assert torch.equal(torch.cat([parts[0][v], parts[1][v]]), single[v])
+        torch.testing.assert_close(torch.cat([parts[0][v], parts[1][v]]), single[v], rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------------------ evaluation
@@ -310,11 +314,14 @@ def test_global_batchnorm_on_two_cpu_processes_equals_batchnorm_on_one(tmp_path)
         common.sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3)), ctx_for(0, 2))[0],
         common.GlobalBatchNorm,
     )
-    assert torch.allclose(torch.cat([r["out"] for r in ranks]), single["out"], atol=1e-12)
-    assert torch.allclose(torch.cat([r["grad_x"] for r in ranks]), single["grad_x"], atol=1e-10)
-    assert torch.allclose(ranks[0]["grad_w"] + ranks[1]["grad_w"], single["grad_w"], atol=1e-9)
+    torch.testing.assert_close(torch.cat([r["out"] for r in ranks]), single["out"], rtol=1e-5,
+                               atol=1e-12)
+    torch.testing.assert_close(torch.cat([r["grad_x"] for r in ranks]), single["grad_x"], rtol=1e-5,
+                               atol=1e-10)
+    torch.testing.assert_close(ranks[0]["grad_w"] + ranks[1]["grad_w"], single["grad_w"], rtol=1e-5,
+                               atol=1e-9)
     for key in ("running_var", "running_mean"):
-        assert torch.allclose(ranks[0][key], single[key], atol=1e-12)
+        torch.testing.assert_close(ranks[0][key], single[key], rtol=1e-5, atol=1e-12)
 
 
 def _worker_optimisers_before_and_after_distribute():

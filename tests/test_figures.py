@@ -90,6 +90,21 @@ def test_dcl_fig1_mean_npc_multiplier_rises_with_the_batch_size(runs, tmp_path, 
         assert sum(rows[size]["share"]) == pytest.approx(1)
 
 
+def test_dcl_fig1_at_its_real_size(runs):
+    """q_B on a linear axis up to its bound 1; <q_B> on an axis from 0 to 1 and C_v on one from
+    0; the batch size N doubles along a log-2 axis; the caption gives <q_B> and C_v at the
+    smallest and the largest N."""
+    fig, saved = figures.dcl_figure([runs["simclr-infonce"]])
+    histogram, mean, cv = fig.axes
+    assert [ax.get_yscale() for ax in fig.axes] == ["linear"] * 3
+    assert [ax.get_xscale() for ax in fig.axes] == ["linear", "log", "log"]
+    assert histogram.get_xlim()[1] >= 1
+    assert mean.get_ylim() == (0, 1) and cv.get_ylim()[0] == 0
+    rows = saved["simclr-infonce"]["batch_sizes"]
+    assert (f"<q_B> {rows[32]['mean']:.3f} -> {rows[256]['mean']:.3f}, "
+            f"C_v {rows[32]['cv']:.3f} -> {rows[256]['cv']:.4f}") in fig.get_supxlabel()
+
+
 def test_dt_fig3_entropy_of_r_plus_rises_with_the_dictionary_size(runs, tmp_path, monkeypatch):
     """H(r_+) / log A over A = 128 anchors against K = 1 ... 128 keys of the other images, at each
     tau_beta: in (0, 1], rising with K at a fixed tau_beta (DT Fig. 3); each number is
@@ -111,6 +126,27 @@ def test_dt_fig3_entropy_of_r_plus_rises_with_the_dictionary_size(runs, tmp_path
         assert row == sorted(row) and row[0] < row[-1]
 
 
+def test_dt_fig3_effective_anchors_on_a_linear_axis_from_0(runs, monkeypatch):
+    """exp(H(r_+)), the number of anchors that would carry the pull if they carried it equally
+    (A = 128 at most), against K: a linear axis from 0 to at least A, each point exp of
+    anchor_weight_stats's entropy, A ** the JSON's H(r_+) / log A; the caption gives the
+    fewest."""
+    stats = spy(monkeypatch, moco_simmoco_simco, "anchor_weight_stats")
+    fig, saved = figures.dt_figure([runs["mocov2"]])
+    ax, = fig.axes
+    assert ax.get_yscale() == "linear" and ax.get_xscale() == "log"
+    assert ax.get_ylim()[0] == 0 and ax.get_ylim()[1] >= 128
+    plotted = [y for line in ax.lines for y in line.get_ydata()]
+    assert plotted == pytest.approx([math.exp(h.item()) for _, _, h in stats], rel=1e-9)
+    run = json.loads(json.dumps(saved))["mocov2"]
+    assert run["anchors"] == 128
+    entropy = [h for row in run["normalised_entropy"].values() for h in row]
+    assert plotted == pytest.approx([128 ** h for h in entropy], rel=1e-9)
+    assert plotted == [y for row in run["effective_anchors"].values() for y in row]
+    assert f"{min(plotted):.0f}" in fig.get_supxlabel()
+    assert "of 128 anchors" in fig.get_supxlabel()
+
+
 def test_gsg_figs4_5_one_point_per_epoch_per_run(runs, tmp_path):
     """kNN top-1 per epoch with the predictor (GSG Fig. 4), kNN and proj_std per epoch without
     it (Fig. 5): each run a line in its panels, a point per epoch, metrics.jsonl's numbers."""
@@ -125,6 +161,22 @@ def test_gsg_figs4_5_one_point_per_epoch_per_run(runs, tmp_path):
             assert lines[key] == [[line["epoch"], line[key]] for line in metrics(run)]
     figures.main(["gsg", guided, alone, "--out", str(tmp_path)])
     assert json.load(open(tmp_path / "gsg.json")) == json.loads(json.dumps(saved))
+
+
+def test_gsg_figs4_5_axes_from_0_and_values_in_the_caption(runs):
+    """kNN top-1 on axes from 0 to 100 %, proj_std on one from 0 (all projections the same),
+    all linear; the caption gives each run's first and last values."""
+    guided, alone = runs["simsiam-guided"], runs["simsiam-guided-no-predictor"]
+    fig, saved = figures.gsg_figure([guided, alone])
+    knn, knn_alone, proj_std = fig.axes
+    assert [ax.get_yscale() for ax in fig.axes] == ["linear"] * 3
+    assert knn.get_ylim() == (0, 100)
+    assert knn_alone.get_ylim() == (0, 100)
+    assert proj_std.get_ylim()[0] == 0
+    for run in saved.values():
+        for key, points in run.items():
+            first, last = points[0][1], points[-1][1]
+            assert f"{key} {first:.3g} -> {last:.3g}" in fig.get_supxlabel()
 
 
 def test_training_curves_of_runs_side_by_side(runs, tmp_path):

@@ -93,16 +93,18 @@ def test_random_stopgrad_hits_each_case_a_quarter_of_the_time_and_is_seeded():
     ctx = common.Context(0, 1, 0, torch.device("cpu"), out=None, amp=False)
     draws = [gsg.draw_pairing(64, "random", common.epoch_generators(7, 3, "cpu")[0], ctx)
              for _ in range(2)]
-    assert torch.equal(draws[0][0], draws[1][0]) and torch.equal(draws[0][1], draws[1][1])
+    torch.testing.assert_close(draws[0][0], draws[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(draws[0][1], draws[1][1], rtol=0, atol=0)
     # each of 2 ranks gets its own rows of the one global draw, partners and cases alike
     ranks = [gsg.draw_pairing(64, "random", common.epoch_generators(7, 3, "cpu")[0],
                               common.Context(r, 2, 0, torch.device("cpu"), out=None, amp=False))
              for r in range(2)]
     for k in range(2):
-        assert torch.equal(torch.cat([ranks[0][k], ranks[1][k]]), draws[0][k])
+        torch.testing.assert_close(torch.cat([ranks[0][k], ranks[1][k]]), draws[0][k], rtol=0,
+                                   atol=0)
     _, forced = gsg.guided_stopgrad_loss(*[t[:64] for t in args], mode="random",
                                          random_case=draws[0][1])
-    assert torch.equal(forced, draws[0][1])
+    torch.testing.assert_close(forced, draws[0][1], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -116,7 +118,7 @@ def test_gradient_reaches_only_the_two_selected_predictions(mode):
     p11, p12, p21, p22 = args[:4]
     for p, used in ((p11, case < 2), (p12, case >= 2), (p21, case % 2 == 0), (p22, case % 2 == 1)):
         nonzero = p.grad.abs().sum(1) > 0
-        assert torch.equal(nonzero, used)
+        torch.testing.assert_close(nonzero, used, rtol=0, atol=0)
     assert all(z.grad is None for z in args[4:])
 
 
@@ -181,7 +183,8 @@ def test_simsiam_target_gets_no_gradient_and_byol_target_moves_only_by_ema_after
     for t, o, theta in zip(target.parameters(), old, model.encoder.parameters()):
         torch.testing.assert_close(t, 0.9 * o + 0.1 * theta, rtol=0, atol=1e-12)
     (z1, z2), (p1, p2) = gsg.SiameseNet("resnet18", 4, 8, 8, 8, 4, predictor=False)(*views[:2])
-    assert torch.equal(p1, z1) and torch.equal(p2, z2)
+    torch.testing.assert_close(p1, z1, rtol=0, atol=0)
+    torch.testing.assert_close(p2, z2, rtol=0, atol=0)
 
 
 def test_residual_branches_start_at_zero_and_both_projector_depths():
@@ -239,7 +242,7 @@ def test_partners_views_are_its_crops_2_and_3_not_its_own_pair_and_the_loss_uses
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loss, case, _ = gsg.train_step(model, optimizer, views, args, CPU, pairing=(partner, None))
     torch.testing.assert_close(loss, expected[0], rtol=0, atol=1e-6)
-    assert torch.equal(case, expected[1])
+    torch.testing.assert_close(case, expected[1], rtol=0, atol=0)
     assert (loss - two_crop[0]).abs() > 1e-3
 
 
@@ -341,7 +344,7 @@ def test_two_processes_equal_one_loss_and_gradient_with_partners_on_the_other_ra
             torch.testing.assert_close(torch.cat([r[1][k] for r in ranks]) / 2, grads[k], rtol=0,
                                        atol=1e-12)
         if case is not None:
-            assert torch.equal(torch.cat([r[2] for r in ranks]), case)
+            torch.testing.assert_close(torch.cat([r[2] for r in ranks]), case, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("method", ["simsiam", "byol"])
@@ -353,7 +356,8 @@ def test_two_processes_equal_one_guided_training_steps(two_processes, float64, m
     for step in range(STEPS):
         mean = (ranks[0]["losses"][step] + ranks[1]["losses"][step]) / 2
         torch.testing.assert_close(mean, reference["losses"][step], rtol=0, atol=1e-10)
-        assert torch.equal(torch.cat([r["cases"][step] for r in ranks]), reference["cases"][step])
+        torch.testing.assert_close(torch.cat([r["cases"][step] for r in ranks]),
+                                   reference["cases"][step], rtol=0, atol=0)
     torch.testing.assert_close(ranks[0]["std"], reference["std"], rtol=0, atol=1e-10)
     for r in ranks:
         for key in ("model", "target") if method == "byol" else ("model",):
