@@ -1,11 +1,14 @@
 """README.md states what the code does: the functions its "where each idea lives" table names exist,
 each settings table's values are the parsers' defaults, the linear protocols and the options
---resume may change are the code's, and its DCLW weight is the one dclw_weights computes."""
+--resume may change are the code's, its DCLW weight is the one dclw_weights computes, and each
+paper's path to learn it selects the tests it promises."""
 import argparse
 import importlib
 import math
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -232,3 +235,31 @@ def test_ci_runs_exactly_the_readmes_install_and_test_commands():
     assert any("pytest" in c for c in commands), commands
     missing = [c for c in commands if c not in shown]
     assert not missing, f".ci/run runs {missing}, which the README does not show"
+
+
+# ------------------------------------------------------------------ the paths to learn each paper
+
+def selected(node_ids, expression):
+    """The node ids `pytest -k "word or word ..."` keeps: pytest matches each word,
+    case-insensitively, in the names of the test and its parents, which its node id holds."""
+    words = expression.split(" or ")
+    assert all(re.fullmatch(r"\w+", word) for word in words), f"-k {expression}: words joined by or"
+    return [node for node in node_ids if any(word.lower() in node.lower() for word in words)]
+
+
+def test_each_path_to_learn_a_paper_selects_the_tests_it_promises():
+    """Each "A path to learn it" pytest command, `-k` and all, selects as many tests as the
+    `N passed` the README says it prints: a renamed or added identity test shows."""
+    command = r'`python -m pytest -q (tests/\S+) -k ("[^"]+"|\S+)` prints `(\d+) passed`'
+    promised = re.findall(command, squeeze(readme()))
+    assert len(promised) == 3, promised  # DCL, DT, GSG
+    listed = subprocess.run(  # one collection of the three files, as pytest sees them
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+         *sorted({path for path, _, _ in promised})],
+        cwd=ROOT, capture_output=True, text=True)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    node_ids = [line for line in listed.stdout.splitlines() if "::" in line]
+    for path, expression, count in promised:
+        ours = [node for node in node_ids if node.startswith(path + "::")]
+        chosen = selected(ours, expression.strip('"'))
+        assert len(chosen) == int(count), f"{path} -k {expression}: {chosen}, README {count}"
