@@ -54,8 +54,7 @@ def parse_args(argv=None):
     add("--tau-beta", type=common.positive_float, default=None,
         help="temperature of the inter-anchor (scalar) part "
              "(default 1.0; mocov2: = tau-alpha)")
-    # Official solo/methods/mocov2.py's --queue_size default
-    # (moco.sh keeps it); the DT paper: "65536".
+    # Official solo/methods/mocov2.py, moco.sh; the DT paper.
     add("--queue-size", type=common.positive_int, default=65536,
         help="mocov2: keys K in each queue")
     # "Training"; official moco.sh and simmoco.sh
@@ -66,18 +65,14 @@ def parse_args(argv=None):
     # --proj_hidden_dim 128.
     add("--proj-hidden", type=common.positive_int, default=128,
         help="projector hidden width")
-    # Official solo/methods/*.py's --proj_output_dim default
-    # (the scripts keep it).
+    # Official solo/methods/*.py --proj_output_dim.
     add("--proj-dim", type=common.positive_int, default=128,
         help="projection dimension D")
-    # Batch 256, 200 epochs, lr 0.03 per 256 (solo/args/utils.py),
-    # weight decay 5e-4: "Training" and official bash_files/*.sh;
-    # 10 warm-up epochs: the paper and solo/methods/base.py
-    # --warmup_epochs; crops from 0.08 of the area:
-    # solo/args/dataset.py --min_scale. The online probe: the paper
-    # reports "top-1 accuracy ... with the online linear
-    # evaluation" ("Evaluation"). The CIFAR stem's padding 2:
-    # official solo/methods/base.py, lines 239-241 (at e8d5e76).
+    # "Training" and official bash_files/*.sh: batch 256, 200
+    # epochs, lr 0.03 per 256 (solo/args/utils.py), wd 5e-4, 10
+    # warm-up epochs (solo/methods/base.py); crop scale from 0.08
+    # (solo/args/dataset.py). The online probe: "Evaluation". The
+    # CIFAR stem's padding 2: solo/methods/base.py lines 239-241.
     parser.set_defaults(batch_size=256, epochs=200, lr=0.03, wd=5e-4,
                         warmup_epochs=10, crop_scale=(0.08, 1.0),
                         online_probe=True, stem_padding=2)

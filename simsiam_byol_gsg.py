@@ -67,12 +67,10 @@ def parse_args(argv=None):
     # command turns it on.
     a("--fix-pred-lr", action="store_true",
       help="the predictor keeps the peak lr (no schedule)")
-    # CIFAR-10's batch 512, 200 epochs, lr 0.06 at 512 (0.03 per
-    # 256), wd 5e-4 (GSG Sec. 5.1). No warm-up, as bych-lee/gsg
-    # main_pretrain.py; crop scale (0.2, 1) from it, an ImageNet
-    # script (the paper's CIFAR appendix is not in our copy). kNN
-    # T 0.2, k 200: ImageNet's (main_knn.py lines 65-66), moot at
-    # GSG's CIFAR-10 k=1.
+    # CIFAR-10's batch 512, 200 epochs, lr 0.06 at 512, wd 5e-4
+    # (GSG Sec. 5.1). No warm-up and crop scale (0.2, 1): bych-lee/gsg
+    # main_pretrain.py (ImageNet's). kNN T 0.2: its main_knn.py
+    # lines 65-66, moot at GSG's CIFAR-10 k=1.
     parser.set_defaults(batch_size=512, epochs=200, lr=0.03, wd=5e-4,
                         warmup_epochs=0, crop_scale=(0.2, 1.0), knn_t=0.2)
     return common.parse_args(parser, argv, "simsiam_byol_gsg")
@@ -164,7 +162,7 @@ def ema_momentum(step, total_steps, base=0.99, schedule="constant"):
 
 # ---------------------------------------- loss
 def D(p, z):
-    """-<p/|p|, z/|z|> per row -> (B,); the stop-gradient is at the call."""
+    """-cos(p, z) per row -> (B,); the stop-gradient is at the call."""
     return -(F.normalize(p, dim=1) * F.normalize(z, dim=1)).sum(1)
 
 
@@ -268,10 +266,9 @@ def train_step(net, optimizer, views, args, ctx, pairing=None,
     """One SGD step (and BYOL's EMA) -> the loss, the GSG case per
     image (None if symmetric), the projection std.
 
-    views: this rank's crops (b, 3, S, S), as recipes makes them.
-    pairing: draw_pairing's (r(i), random_case). target: BYOL's
-    momentum encoder, moved to `online` (the bare encoder) by tau
-    after the step; None for SimSiam, whose targets are its z."""
+    views: this rank's crops (b, 3, S, S); pairing: draw_pairing's.
+    target: BYOL's momentum encoder, moved to `online` by tau after
+    the step; None for SimSiam, whose targets are its z."""
     with ctx.autocast():
         z, p = net(*views)  # V x (b, D) each
         t = z
@@ -300,10 +297,9 @@ def train_step(net, optimizer, views, args, ctx, pairing=None,
 
 
 def recipes(args):
-    """SimSiam's recipe for both methods: GSG's set-ups differ only
-    in the momentum encoder (bych-lee/gsg main_pretrain.py). Blur
-    p=0.5 above 64 px, none at 32 (this project's choice); two
-    crops for symmetric, four for GSG (gsg/loader.py)."""
+    """SimSiam's recipe for both methods (bych-lee/gsg
+    main_pretrain.py); blur p=0.5 above 64 px, none at 32 (this
+    project's choice); 2 crops, or GSG's 4 (gsg/loader.py)."""
     blur_p = 0.5 if args.image_size > 64 else 0.0
     crop = common.Recipe(crop_scale=tuple(args.crop_scale), blur_p=blur_p)
     return [crop] * (2 if args.stopgrad == "symmetric" else 4)
