@@ -293,11 +293,11 @@ def dt_figure(runs):
 # ------------ GSG Figs. 4, 5
 def trend(points):
     """'first -> last' of [[epoch, value], ...], with the peak
-    where it is not the last."""
+    where it lies between them."""
     values = [value for _, value in points]
     text = f"{values[0]:.3g} -> {values[-1]:.3g}"
     epoch, peak = max(points, key=lambda point: point[1])
-    if peak > values[-1]:
+    if peak > max(values[0], values[-1]):
         text += f" (peak {peak:.3g}, epoch {epoch})"
     return text
 
@@ -307,11 +307,9 @@ def gsg_figure(runs):
     epochs_axis(axes[0], "Fig. 4: with predictor", "kNN top-1 (%)")
     epochs_axis(axes[1], "Fig. 5: no predictor", "kNN top-1 (%)")
     epochs_axis(axes[2], "Fig. 5: no predictor", "proj_std")
-    # Accuracy and proj_std both start at 0 (proj_std 0: all
-    # projections the same, a full collapse).
+    # Accuracy starts at 0.
     axes[0].set_ylim(0, 100)
     axes[1].set_ylim(0, 100)
-    axes[2].set_ylim(bottom=0)
     saved = {}
     fig4 = []
     fig5 = []
@@ -330,6 +328,8 @@ def gsg_figure(runs):
                   for key, points in saved[name(run)].items()]
         (fig5 if alone else fig4).append(
             f"{name(run)} " + ", ".join(trends))
+    # proj_std 0: all projections the same, a full collapse.
+    axes[2].set_ylim(bottom=0)
     lines = ["Fig. 4 (one seed each): " + "; ".join(fig4)]
     lines += [f"Fig. 5: {line}" for line in fig5]
     if fig5:
