@@ -13,9 +13,9 @@ Part 1, what the methods build on (read it beside a method file):
 Part 2, plumbing that changes nothing a method computes:
   errors and command line: UserError, run, add_common_args,
     parse_args (continues), setup
-  epoch log and run folder: EpochMeter, log_epoch, hold_run_folder,
-    write_atomic, start_run, save_checkpoint, Start, load_checkpoint,
-    checkpoint_due, stop_if_signalled, finish
+  epoch log and run folder: EpochMeter, Run (the folder, resume,
+    checkpoints, each epoch's end, the run's), hold_run_folder,
+    write_atomic
   data: load_data, texture_images, torchvision_split, image_folder,
     ImageFiles
 """
