@@ -172,9 +172,9 @@ def nearest_neighbour(z, support_set):
 def nnclr_loss(z1, z2, p1, p2, support_set, temperature=0.1,
                loss="dcl", sigma=0.5, reduction="mean"):
     """NNCLR's symmetrised loss with the InfoNCE, DCL or DCLW
-    denominator: the mean over the global batch's anchors ->
-    scalar (reduction="none": this rank's (2B,) losses,
-    direction 1 then 2).
+    denominator: the mean over this rank's 2B anchors (DDP's
+    average: the global batch's gradient) -> scalar
+    (reduction="none": the (2B,) losses, direction 1 then 2).
 
     z1, z2, p1, p2: (B, D), this rank's projections of the
     two views and their predictions; support_set: (Q, D)

@@ -102,9 +102,10 @@ def anchor_masks(logits):
 
 def contrastive_loss(z1, z2, temperature=0.1, loss="infonce",
                      sigma=0.5, reduction="mean"):
-    """SimCLR's InfoNCE, DCL or DCLW -> the mean over the 2N
-    anchors of the global batch (reduction="none": the (2B,)
-    losses of this rank's anchors [z1; z2]).
+    """SimCLR's InfoNCE, DCL or DCLW -> the mean over this rank's
+    2B anchors [z1; z2] (reduction="none": their (2B,) losses).
+    DDP averages the ranks' gradients: that of the mean over the
+    global batch's 2N anchors.
 
     z1, z2: this rank's (B, D) projections of the two views,
     normalised here. Anchor z_i^(k)'s positive is z_i^(u), u != k;
