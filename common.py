@@ -1222,7 +1222,7 @@ def parse_args(parser, argv, script):
     try:  # mmap: the states are read when the run loads them
         saved = torch.load(path, map_location="cpu",
                            weights_only=True, mmap=True)
-        made_by = saved["script"]
+        made_by = saved.get("script")  # AttributeError: no dict
         kept = argparse.Namespace(**saved["args"])
     except Exception as error:  # missing, truncated, not ours
         raise UserError(

@@ -187,7 +187,7 @@ def test_resume_takes_the_checkpoints_options_and_any_given_replace_them(stopped
 
 
 @pytest.mark.parametrize("checkpoint, message", [
-    (torch.zeros(3), ": no checkpoint of this project to resume (IndexError)"),
+    (torch.zeros(3), ": no checkpoint of this project to resume (AttributeError)"),
     ({"model": {}}, ": no checkpoint of this project to resume (KeyError)"),
 ], ids=["tensor", "model-only"])
 def test_a_checkpoint_of_the_wrong_structure_is_one_error_line(stopped_run, tmp_path, capsys,

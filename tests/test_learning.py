@@ -1,8 +1,8 @@
 """Every method learns: short runs of the real scripts on a generated texture set end far above the
 same network untrained, and the GSG paper's collapse claim shows without a predictor.
 
-The identity tests call the loss functions; these call each script's `main()` in this process, so
-they notice a training step that stops the network from learning. Data: --dataset textures's
+The identity tests call the loss functions; these run each script, two at a time, so they notice
+a training step that stops the network from learning. Data: --dataset textures's
 images (common.texture_images, seed 0: 5 texture classes, 2,000 training and 500 validation
 images of 20 px), written once per session as an image folder by helpers.texture_image_folder.
 Network: ResNet-18 at width 8 with 256-64 heads, batch 32, 2-4 epochs (125-250 steps), seed 2,
@@ -21,6 +21,7 @@ trained variant 20-50 points above its script's untrained network (seed 2, used 
 """
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ import moco_simmoco_simco
 import nnclr_dcl
 import simclr_dcl
 import simsiam_byol_gsg
-from helpers import smoke_args, texture_image_folder
+from helpers import run_script, smoke_args, texture_image_folder
 
 MARGIN = 10.0  # kNN top-1 points over the untrained network; the smallest measured gap was 20
 PROJ_DIM = 64
@@ -70,22 +71,30 @@ METHODS = [name for name in RUNS if not name.startswith("untrained") and "no-pre
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
-    """trained(name) -> (results.json, metrics.jsonl records) of that run, run once per session."""
+    """trained(name) -> (results.json, metrics.jsonl records) of that run. Every run is made at
+    the first call, as the script's own process at one thread, two at a time: the machine's two
+    cores (this process's tests run at one thread)."""
     data = texture_image_folder(str(tmp_path_factory.mktemp("textures")))
     root = tmp_path_factory.mktemp("learning")
     done = {}
 
+    def train(name):
+        module, options = RUNS[name]
+        argv = [*SHARED, "--data-dir", data, "--out", os.path.join(root, name), *options]
+        return run_script(f"{module.__name__}.py", argv)
+
     def run(name):
-        if name not in done:
-            module, options = RUNS[name]
+        if not done:
+            with ThreadPoolExecutor(2) as pool:
+                for key, process in zip(RUNS, pool.map(train, RUNS)):
+                    assert process.returncode == 0, (key, process.stderr[-2000:])
+                    done[key] = None
+        if done[name] is None:
             out = os.path.join(root, name)
-            module.main([*SHARED, "--data-dir", data, "--out", out, *options])
             with open(os.path.join(out, "results.json")) as f:
                 results = json.load(f)
-            records = []
-            if os.path.exists(os.path.join(out, "metrics.jsonl")):
-                with open(os.path.join(out, "metrics.jsonl")) as f:
-                    records = [json.loads(line) for line in f]
+            with open(os.path.join(out, "metrics.jsonl")) as f:
+                records = [json.loads(line) for line in f]
             done[name] = results, records
         return done[name]
     return run
