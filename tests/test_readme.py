@@ -72,14 +72,14 @@ def test_the_quick_start_opens_with_a_textures_run_of_every_script():
     lines = section(readme(), "## Quick start").splitlines()
     start = next(i for i, line in enumerate(lines) if line.strip().startswith("T="))
     t = " ".join(lines[start:start + 2]).split('"')[1].replace("\\", "").split()
-    runs = [line.split("#")[0].split() for line in lines[start + 2:start + 6]]
+    runs = [line.split("#")[0].split() for line in lines[start + 2:start + 2 + len(SCRIPTS)]]
     assert sorted(run[:3] for run in runs) == [["python", f"{s}.py", "$T"] for s in SCRIPTS]
     for run in runs:
         args = importlib.import_module(run[1][:-3]).parse_args(t + run[3:])
         assert args.dataset == "textures" and args.epochs > args.warmup_epochs
     # kNN as the median (range) over seeds, untrained -> trained
     number = r"([\d.]+) \(([\d.]+)-([\d.]+)\)"
-    for line in lines[start + 2:start + 6]:
+    for line in lines[start + 2:start + 2 + len(SCRIPTS)]:
         found = re.search(f"kNN {number} -> {number}", line)
         assert found, line
         for first in (1, 4):  # untrained, trained
