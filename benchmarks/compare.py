@@ -135,7 +135,7 @@ def run(job, args, slots):
     if os.path.isfile(os.path.join(folder, "results.json")):
         return
     resuming = os.path.isfile(os.path.join(folder, "checkpoint.pt"))
-    cmd = job["command"] + ["--resume", folder] * resuming  # the script refuses changed options
+    cmd = job["command"]  # in its folder, the same command continues the run
     os.makedirs(folder, exist_ok=True)
     env, slot = dict(os.environ), slots.get()
     # the cores shared out between the runs side by side, else each run's torch takes them all

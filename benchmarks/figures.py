@@ -82,9 +82,9 @@ def rebuild(run, n):
     training images by the script's recipes."""
     recorded = config(run)
     script = importlib.import_module(recorded["script"])
-    # The recorded options, as --resume reads them; a figure's
-    # few thousand views need no GPU.
-    args = script.parse_args(["--resume", run, "--device", "cpu"])
+    # The recorded options; a figure's few thousand views need no
+    # GPU.
+    args = argparse.Namespace(**{**recorded["args"], "device": "cpu"})
     ctx = common.setup(args)
     data = common.load_data(args, ctx)
     args.image_size = data.image_size

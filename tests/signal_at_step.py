@@ -1,7 +1,11 @@
 """`signal_at_step.py SCRIPT RANK CALL SIGNAL ARG...`: SCRIPT's main(ARGs) as its __main__ runs it
 (common.run), which sends SIGNAL (TERM, INT, KILL) to its own process when rank RANK enters
 train_step for the CALL-th time (from 1), as a scheduler or a lost node would; under torchrun too.
-The run's command line is the ARGs: run again as `SCRIPT.py ARG...`, it is the same command."""
+The run's command line is the ARGs: run again as `SCRIPT.py ARG...`, it is the same command.
+
+SIGINT is handled as in a terminal's foreground process (KeyboardInterrupt), however the suite was
+started: a background job of a non-interactive shell inherits SIGINT ignored, and Python keeps an
+inherited ignore."""
 import importlib
 import os
 import signal
@@ -10,6 +14,7 @@ import sys
 import common
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     script, rank, call, name, *argv = sys.argv[1:]
     module = importlib.import_module(script)
     real, calls = module.train_step, []

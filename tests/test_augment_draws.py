@@ -261,15 +261,35 @@ def test_no_two_generators_of_a_run_share_a_stream():
 
 
 # ------------------------------------------------------------------------------ the epoch log
+def bare_run(epochs_done):
+    """A Run with only what check_finite reads: the epochs done."""
+    run = object.__new__(common.Run)
+    run.epoch = epochs_done
+    return run
+
+
+STATES = {"model": {"w": torch.ones(3)}, "optimizer": {"state": {0: {"buf": torch.zeros(3)}}}}
+
+
 @pytest.mark.parametrize("loss", [float("nan"), float("inf"), float("-inf")])
 def test_a_loss_that_is_not_finite_stops_the_run(loss):
-    with pytest.raises(common.UserError, match=f"loss became {loss}"):
-        common.check_finite({"loss": loss, "epoch": 2})
+    with pytest.raises(common.UserError, match=f"the loss became {loss} in epoch 2; epoch 1's "
+                                               f"checkpoint is kept"):
+        bare_run(1).check_finite({"loss": loss, "epoch": 2}, STATES)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_state_that_is_not_finite_stops_the_run_however_deep(bad):
+    """A momentum buffer deep in the optimizer's state_dict, the loss finite."""
+    states = {"model": STATES["model"], "optimizer": {"state": {0: {"buf": torch.tensor([bad])}}}}
+    with pytest.raises(common.UserError, match="the weights became non-finite in epoch 1; no "
+                                               "checkpoint was written"):
+        bare_run(0).check_finite({"loss": 1.0, "epoch": 1}, states)
 
 
 def test_a_finite_loss_goes_on():
-    common.check_finite({"loss": 1e30, "epoch": 1})
-    common.check_finite({"loss": -3.0, "epoch": 1})
+    bare_run(0).check_finite({"loss": 1e30, "epoch": 1}, STATES)
+    bare_run(3).check_finite({"loss": -3.0, "epoch": 4}, STATES)
 
 
 @pytest.mark.parametrize("default", [torch.float64, torch.bfloat16])

@@ -37,7 +37,8 @@ import moco_simmoco_simco as mss
 import nnclr_dcl
 import simclr_dcl
 import simsiam_byol_gsg as gsg
-from helpers import ROOT, check_run_folder, run_distributed, run_script, smoke_args
+from helpers import (ROOT, check_run_folder, run_distributed, run_script, smoke_args,
+                     stop_in_epoch)
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import speed  # noqa: E402
@@ -319,8 +320,7 @@ def test_the_whole_step_never_makes_the_host_wait(name):
     torch.cuda.synchronize()
 
 
-# The scripts' command line (--stop-after, --resume, --compile, the run folder): the run-folder
-# harness's. HARNESS: if its rewrite changes these options, adapt the three tests below.
+# The scripts' command line (--compile, the run folder and how a run continues).
 def cuda_args(folder, out, *extra):
     """helpers.smoke_args (a tiny ImageFolder, width 8, 16 px, batch 16) on CUDA."""
     args = smoke_args(folder, out, *extra)
@@ -350,13 +350,10 @@ def test_one_compiled_step_on_cuda(tiny_folder, tmp_path):
 
 
 def test_a_cuda_checkpoint_resumes_on_cuda(tiny_folder, tmp_path):
-    """HARNESS: simclr_dcl.py on CUDA stopped after epoch 1 of 2 (--stop-after 1), then --resume:
-    the checkpoint (the views' CUDA generator's state included) loads on the GPU and the run
-    finishes its 2 epochs, one metrics line each."""
+    """simclr_dcl.py on CUDA stopped in epoch 2 of 2 (Ctrl-C), then --resume: epoch 1's
+    checkpoint loads on the GPU and the run finishes its 2 epochs, one metrics line each."""
     out = tmp_path / "run"
-    args = cuda_args(tiny_folder, out, "--epochs", "2", "--stop-after", "1", "--linear-epochs", "0")
-    done = run_script("simclr_dcl.py", args)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    stop_in_epoch(2, cuda_args(tiny_folder, out, "--epochs", "2", "--linear-epochs", "0"))
     done = run_script("simclr_dcl.py", ["--resume", out])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     check_run_folder(out, epochs=2)

@@ -1,15 +1,14 @@
-"""Nothing is lost, whatever happens to a run: one process owns a run folder (a lock), every file
-in it is written whole or not at all, a full disk or a damaged file is one line, and an
-interrupted run resumes to the same results (tiny runs of simclr_dcl.py on CPU; signals:
-test_preemption.py)."""
+"""Nothing is lost, whatever happens to a run: every file in a run folder is written whole or not
+at all, a full disk or a damaged file is one line, no checkpoint holds a non-finite tensor, and
+--resume continues a run as it was started (tiny runs of simclr_dcl.py on CPU, in this process;
+signals: test_preemption.py)."""
 
-import argparse
 import errno
 import json
+import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 
 import common
 import simclr_dcl
-from helpers import FailingWrites, check_run_folder, run_script, smoke_args
+from helpers import FailingWrites, check_run_folder, smoke_args, stop_in_epoch
 from test_common import fails_with
 
 SMALL = ["--proj-hidden", "32", "--linear-epochs", "0"]  # a 1.5 MB checkpoint
@@ -25,9 +24,9 @@ SMALL = ["--proj-hidden", "32", "--linear-epochs", "0"]  # a 1.5 MB checkpoint
 
 @pytest.fixture(scope="module")
 def stopped_run(tiny_folder, tmp_path_factory):
-    """A 2-epoch run stopped after epoch 1 (tests copy it: this process holds its lock)."""
+    """A 2-epoch run stopped in epoch 2 (tests copy it)."""
     out = tmp_path_factory.mktemp("stopped") / "run"
-    simclr_dcl.main(smoke_args(tiny_folder, out, "--epochs", "2", "--stop-after", "1", *SMALL))
+    stop_in_epoch(2, smoke_args(tiny_folder, out, "--epochs", "2", *SMALL))
     return out
 
 
@@ -39,54 +38,35 @@ def temp_files(folder):
     return [name for name in os.listdir(folder) if name.endswith(".tmp")]
 
 
-def shown_lines(text):
-    """The lines written besides the progress bars (which a terminal shows on one line, cleared
-    at the end of the epoch) and the start-up warnings (smoke runs end within the warm-up)."""
-    lines = [line.split("\r")[-1] for line in text.split("\n")]
-    return [line for line in lines if line.strip() and not re.match(r"epoch \d+/\d+: |warning: ",
-                                                                     line)]
-
-
-def test_a_run_folder_is_held_by_one_process(tiny_folder, stopped_run, tmp_path):
-    """While this process holds a run folder (its .lock), a new run into it and a --resume of it
-    each stop with exit status 2 and one error line naming the holder; nothing in the folder
-    changes. Released, the --resume goes on."""
+def test_resume_continues_a_run_with_its_own_command_line(stopped_run, tmp_path, capsys):
+    """--resume RUN alone continues RUN with the options of its command line (its 32-wide
+    projector, not the default 2048, so its states load) to its end; the line says from which
+    epoch. A folder without a run, or a run of another script, is one error line."""
     run = copy_of(stopped_run, tmp_path)
-    new = tmp_path / "new"
-    new.mkdir()
-    for folder in (run, new):
-        common.hold_run_folder(str(folder))
-    try:
-        before = {p.name: p.read_bytes() for p in run.iterdir() if p.name != ".lock"}
-        holder = f"{os.getpid()} on {socket.gethostname()}"
-        for folder, argv in ((new, smoke_args(tiny_folder, new, *SMALL)),
-                             (run, ["--resume", run])):
-            done = run_script("simclr_dcl.py", argv)
-            assert done.returncode == 2, done.stderr[-2000:]
-            assert shown_lines(done.stderr) == [
-                f"error: {folder} is in use by process {holder}: a run or --resume of it is "
-                f"going on; wait for it to end (or stop it), then try again"]
-        assert {p.name: p.read_bytes() for p in run.iterdir() if p.name != ".lock"} == before
-        assert os.listdir(new) == [".lock"]
-    finally:
-        for folder in (run, new):
-            common.LOCKS.pop(os.path.realpath(folder)).close()
-    done = run_script("simclr_dcl.py", ["--resume", run])
-    assert done.returncode == 0, done.stderr[-2000:]
-    check_run_folder(run, epochs=2)
+    simclr_dcl.main(["--resume", str(run)])
+    assert f"continuing {run} from epoch 2" in capsys.readouterr().out
+    config, _, _ = check_run_folder(run, epochs=2)
+    assert config["args"]["proj_hidden"] == 32
+    fails_with(["--resume", tmp_path], capsys, f"--resume {tmp_path}: no run there")
+    with pytest.raises(SystemExit) as exit_info:
+        import nnclr_dcl
+        common.run(lambda: nnclr_dcl.main(["--resume", str(run)]))
+    assert exit_info.value.code == 2
+    assert "that run is simclr_dcl.py's, not nnclr_dcl.py's" in capsys.readouterr().err
 
 
-def test_a_streamed_run_stopped_and_resumed_evaluates_as_an_uninterrupted_one(
-    tiny_folder, tmp_path
-):
-    """--stream, 2 epochs straight and 1 + --resume 1: the same results.json. The probe drew its
-    bias from the global RNG, which each DataLoader advances: the resumed run's had run fewer."""
-    argv = ["--stream", "--epochs", "2", "--linear-epochs", "2", "--proj-hidden", "32"]
-    simclr_dcl.main(smoke_args(tiny_folder, tmp_path / "straight", *argv))
-    simclr_dcl.main(smoke_args(tiny_folder, tmp_path / "split", *argv, "--stop-after", "1"))
-    simclr_dcl.main(["--resume", str(tmp_path / "split")])
-    results = [json.load(open(tmp_path / run / "results.json")) for run in ("straight", "split")]
-    assert results[0] == results[1] and "linear_top1" in results[0]
+@pytest.mark.parametrize("change", [
+    lambda c: torch.zeros(3),
+    lambda c: {"model": c["model"]},
+    lambda c: {**c, "optimizer": {}},
+], ids=["tensor", "model-only", "empty-optimizer"])
+def test_a_checkpoint_that_does_not_fit_is_one_error_line(stopped_run, tmp_path, capsys, change):
+    """A checkpoint.pt that loads but is not a dict with every state of this run."""
+    run = copy_of(stopped_run, tmp_path)
+    checkpoint = torch.load(run / "checkpoint.pt", weights_only=True)
+    torch.save(change(checkpoint), run / "checkpoint.pt")
+    fails_with(["--resume", str(run)], capsys,
+               f"{run / 'checkpoint.pt'} does not fit this run or is unreadable (")
 
 
 def full_disk(file, data):
@@ -99,32 +79,25 @@ def fill_disk_for(monkeypatch, name):
     def opener(path, mode="r", *args, **kwargs):
         file = open(path, mode, *args, **kwargs)
         writes = any(m in mode for m in "wax+")
-        return FailingWrites(file, full_disk) if writes and os.path.basename(path).startswith(name) else file
+        failing = writes and os.path.basename(path).startswith(name)
+        return FailingWrites(file, full_disk) if failing else file
     monkeypatch.setattr(common, "open", opener, raising=False)
 
 
-def test_a_failed_write_keeps_the_previous_metrics_and_no_partial_results(
-    tiny_folder, stopped_run, tmp_path, monkeypatch, capsys
+def test_a_failed_results_write_leaves_none_and_the_same_command_finishes(
+    tiny_folder, tmp_path, monkeypatch, capsys
 ):
-    """A write that fails while the resume rewrites metrics.jsonl leaves it as it was (it was
-    truncated first); one that fails while results.json is written leaves no 0-byte results.json
-    (a resume then finishes the run, not 'evaluates it again'). One error line, no temp file."""
-    run = copy_of(stopped_run, tmp_path)
-    with open(run / "metrics.jsonl", "a") as f:  # epoch 2 logged, its checkpoint not saved
-        f.write('{"epoch": 2, "loss": 0.0}\n')
-    before = (run / "metrics.jsonl").read_bytes()
-    fill_disk_for(monkeypatch, "metrics.jsonl")
-    fails_with(["--resume", str(run)], capsys, f"cannot write {run / 'metrics.jsonl'} (No space "
-               f"left on device); the last good checkpoint is kept: continue with --resume {run}")
-    assert (run / "metrics.jsonl").read_bytes() == before and not temp_files(run)
-
+    """A write that fails while results.json is written leaves no 0-byte results.json, so the
+    run is not taken as finished: the same command then evaluates and writes it. One error
+    line, no temp file."""
+    argv = smoke_args(tiny_folder, tmp_path / "run", *SMALL)
     fill_disk_for(monkeypatch, "results.json")
-    fails_with(smoke_args(tiny_folder, tmp_path / "new", *SMALL), capsys, "results.json (No space")
-    assert not (tmp_path / "new" / "results.json").exists() and not temp_files(tmp_path / "new")
+    fails_with(argv, capsys, "results.json (No space")
+    assert not (tmp_path / "run" / "results.json").exists()
+    assert not temp_files(tmp_path / "run")
     monkeypatch.undo()
-    simclr_dcl.main(["--resume", str(tmp_path / "new")])
-    check_run_folder(tmp_path / "new", epochs=1)
-    assert not [name for name in os.listdir(tmp_path / "new") if name.startswith("eval-")]
+    simclr_dcl.main(argv)
+    check_run_folder(tmp_path / "run", epochs=1)
 
 
 def test_a_full_disk_is_one_error_line_and_leaves_no_temp_file(tiny_folder, tmp_path, capsys,
@@ -135,20 +108,24 @@ def test_a_full_disk_is_one_error_line_and_leaves_no_temp_file(tiny_folder, tmp_
     disk.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)],
                              capture_output=True).returncode == 0
-    if not mounted:  # the second checkpoint.pt's writes fail
-        saves = []
-        real = common.Run.save
-        monkeypatch.setattr(common.Run, "save", lambda *a: saves.append(1) or (
-            fill_disk_for(monkeypatch, "checkpoint.pt") if len(saves) == 2 else None) or real(*a))
+    if not mounted:  # epoch 2's checkpoint.pt fails
+        real = common.Run.end_epoch
+
+        def end_epoch(run, record):
+            if record["epoch"] == 2:
+                fill_disk_for(monkeypatch, "checkpoint.pt")
+            return real(run, record)
+
+        monkeypatch.setattr(common.Run, "end_epoch", end_epoch)
     try:
         out = disk / "run"
         fails_with(smoke_args(tiny_folder, out, "--epochs", "2", *SMALL), capsys,
-                   f"cannot write {out / 'checkpoint.pt'} (No space left on device); the last "
-                   f"good checkpoint is kept: continue with --resume {out}")
+                   f"cannot write {out / 'checkpoint.pt'} (No space left on device); what was "
+                   f"written before is kept")
         assert not temp_files(out)
         assert torch.load(out / "checkpoint.pt", weights_only=True)["epoch"] == 1
     finally:
-        if mounted:  # lazily: this process still holds the run's lock file open
+        if mounted:
             subprocess.run(["umount", "--lazy", str(disk)], check=True)
 
 
@@ -168,128 +145,69 @@ def test_a_damaged_png_that_pillow_rejects_with_a_syntax_error_is_named(tiny_fol
         common.ImageFiles([(str(bad), 0)], 16)[0]
 
 
-def test_resume_takes_the_checkpoints_options_and_any_given_replace_them(stopped_run, tmp_path,
-                                                                       capsys):
-    """--resume RUN alone: the options RUN's checkpoint keeps (its 32-wide projector, not the
-    default 2048, so its states load); an option given beside it replaces the kept one
-    (--epochs 3: a third epoch). A run of another script, or a folder without a checkpoint of
-    this project, is one error line."""
-    run = copy_of(stopped_run, tmp_path)
-    simclr_dcl.main(["--resume", str(run), "--epochs", "3"])
-    _, lines, _ = check_run_folder(run, epochs=3)
-    assert torch.load(run / "checkpoint.pt", weights_only=True)["args"]["proj_hidden"] == 32
-    with pytest.raises(SystemExit) as exit_info:
-        import nnclr_dcl
-        common.run(lambda: nnclr_dcl.main(["--resume", str(run)]))
-    assert exit_info.value.code == 2
-    assert "that run was made by simclr_dcl.py, not nnclr_dcl.py" in capsys.readouterr().err
-    fails_with(["--resume", str(tmp_path)], capsys, "no checkpoint of this project to resume")
+def non_finite(path):
+    """The names of checkpoint.pt's tensors that hold a NaN or an infinity."""
+    checkpoint = torch.load(path, weights_only=True)
+    return [n for n, t in flat(checkpoint).items()
+            if t.is_floating_point() and not t.isfinite().all()]
 
 
-@pytest.mark.parametrize("checkpoint, message", [
-    (torch.zeros(3), ": no checkpoint of this project to resume (AttributeError)"),
-    ({"model": {}}, ": no checkpoint of this project to resume (KeyError)"),
-], ids=["tensor", "model-only"])
-def test_a_checkpoint_of_the_wrong_structure_is_one_error_line(stopped_run, tmp_path, capsys,
-                                                               checkpoint, message):
-    """A checkpoint.pt that loads but is not a dict with the epochs done and every state."""
-    run = copy_of(stopped_run, tmp_path)
-    torch.save(checkpoint, run / "checkpoint.pt")
-    fails_with(["--resume", str(run)], capsys, f"{run / 'checkpoint.pt'}{message}")
+def flat(state, prefix=""):
+    if torch.is_tensor(state):
+        return {prefix: state}
+    if not isinstance(state, (dict, list, tuple)):
+        return {}
+    items = state.items() if isinstance(state, dict) else enumerate(state)
+    return {k: t for key, v in items for k, t in flat(v, f"{prefix}/{key}").items()}
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda c: c.pop("optimizer"), "(states missing: optimizer; left over: none)"),
-    (lambda c: c.update(queue={}), "(states missing: none; left over: queue)"),
-    (lambda c: c.pop("epoch"), "or is unreadable (KeyError: 'epoch')"),
-], ids=["missing", "left-over", "no-epoch"])
-def test_a_checkpoint_state_missing_or_left_over_is_named(stopped_run, tmp_path, capsys,
-                                                          change, message):
-    """A real checkpoint.pt with one of the run's states taken out, or with a state the run does
-    not have: one error line naming it (not a bare KeyError, nor a state silently dropped)."""
-    run = copy_of(stopped_run, tmp_path)
-    checkpoint = torch.load(run / "checkpoint.pt", weights_only=True)
-    change(checkpoint)
-    torch.save(checkpoint, run / "checkpoint.pt")
-    fails_with(["--resume", str(run)], capsys,
-               f"{run / 'checkpoint.pt'} does not fit this run {message}")
+def test_a_loss_that_becomes_nan_writes_no_checkpoint_and_says_so(tmp_path, capsys):
+    """lr 1e5 without warm-up: the loss is NaN in epoch 1. One true line (which epoch, that no
+    checkpoint was written, what to try), exit status 2, and no checkpoint.pt."""
+    out = tmp_path / "run"
+    argv = ["--dataset", "textures", "--width", "8", "--batch-size", "32", "--warmup-epochs",
+            "0", "--lr", "1e5", "--epochs", "2", "--device", "cpu", "--out", out]
+    fails_with(argv, capsys, "error: the loss became nan in epoch 1; no checkpoint was "
+               "written. Lower --lr, check --wd and the temperatures, or try --no-amp, in a "
+               "new --out")
+    assert not (out / "checkpoint.pt").exists()
 
 
-def method_parser(**defaults):
-    """A method file's parser that sets only `defaults` of those add_common_args leaves to it."""
-    parser = argparse.ArgumentParser()
-    common.add_common_args(parser)
-    parser.set_defaults(**defaults)
-    return parser
+def test_weights_that_become_non_finite_in_a_finite_epoch_keep_the_last_checkpoint(
+    tiny_folder, tmp_path, capsys
+):
+    """The last step of epoch 2 leaves a weight infinite (its loss, and so the epoch's mean, was
+    finite before it): the run stops with one line naming epoch 1's checkpoint as kept, and
+    that checkpoint holds no non-finite tensor."""
+    real = simclr_dcl.train_step
+    steps = []
+
+    def train_step(net, optimizer, views, args, ctx):
+        result = real(net, optimizer, views, args, ctx)
+        steps.append(1)
+        if len(steps) == 8:  # epoch 2's last step: an overflow in its update
+            with torch.no_grad():
+                next(net.parameters())[0].fill_(math.inf)
+        return result
+
+    out = tmp_path / "run"
+    simclr_dcl.train_step = train_step
+    try:
+        fails_with(smoke_args(tiny_folder, out, "--epochs", "3", *SMALL), capsys,
+                   "error: the weights became non-finite in epoch 2; epoch 1's checkpoint is "
+                   "kept. Lower --lr")
+    finally:
+        simclr_dcl.train_step = real
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["epoch"] == 1
+    assert not non_finite(out / "checkpoint.pt")
+    assert [json.loads(line)["epoch"] for line in open(out / "metrics.jsonl")] == [1]
 
 
-@pytest.mark.parametrize("defaults, argv, missing", [
-    ({}, [], "batch_size, epochs, lr, wd, warmup_epochs, crop_scale"),
-    ({"epochs": 1, "wd": 0.0, "warmup_epochs": 0}, ["--batch-size", "8", "--lr", "0.1"],
-     "batch_size, lr, crop_scale"),
-], ids=["none", "some"])
-def test_a_method_file_without_a_shared_default_is_named(tmp_path, capsys, defaults, argv,
-                                                         missing):
-    """A method file that forgets to set_defaults a shared option add_common_args leaves None:
-    one error line naming each missing default and where to set it, exit status 2 (not a
-    TypeError in setup). A value on the command line does not stand in: the file is wrong."""
+def test_a_bug_keeps_its_traceback():
+    """An exception that is no UserError (a bug, or torch's own) is not turned into one line:
+    common.run lets it through, traceback and all."""
     def main():
-        parser = method_parser(**defaults)
-        args = common.parse_args(parser, argv + ["--out", tmp_path / "run"], "demo")
-        common.setup(args)
+        raise OSError(errno.EIO, "a bug's own error")
 
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(OSError, match=re.escape("a bug's own error")):
         common.run(main)
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err.splitlines() == [
-        f"error: demo.py sets no default for {missing}: give each in its "
-        f"parser.set_defaults(...)"]
-    assert not (tmp_path / "run").exists()
-
-
-def test_a_finished_run_rebuilds_a_missing_backbone(stopped_run, tmp_path):
-    """backbone.pt deleted from a finished run: its --resume writes it again, the same weights."""
-    run = copy_of(stopped_run, tmp_path)
-    simclr_dcl.main(["--resume", str(run)])
-    weights = torch.load(run / "backbone.pt", weights_only=True)
-    os.remove(run / "backbone.pt")
-    simclr_dcl.main(["--resume", str(run)])
-    again = torch.load(run / "backbone.pt", weights_only=True)
-    assert weights.keys() == again.keys()
-    assert all(torch.equal(weights[k], again[k]) for k in weights)
-
-
-def test_a_mid_epoch_checkpoint_of_another_device_type_is_one_line(stopped_run, tmp_path,
-                                                                    capsys):
-    """A checkpoint written within an epoch on CUDA keeps a CUDA generator's state, which the
-    CPU's cannot take: its resume with --device cpu stops with one line naming --device cuda,
-    not every rank's traceback."""
-    run = copy_of(stopped_run, tmp_path)
-    checkpoint = torch.load(run / "checkpoint.pt", weights_only=True)
-    state = torch.Generator().get_state()
-    checkpoint.update(step=1, device="cuda", generators=[state, state[:16]],
-                      meter=dict(steps=1, lr=0.1, sums={"loss": torch.ones(1)}))
-    torch.save(checkpoint, run / "checkpoint.pt")
-    fails_with(["--resume", str(run)], capsys, f"{run / 'checkpoint.pt'} stopped in epoch 2 on "
-               f"cuda; continue it with --device cuda")
-
-
-def test_an_nccl_error_keeps_its_own_words_in_the_one_line(capsys):
-    """A DistBackendError (NCCL's set-up or transport) is one error line with its own first
-    line, not 'another process stopped'; a peer that closed its connection is that line."""
-    def nccl():
-        raise torch.distributed.DistBackendError(
-            "NCCL error in: ProcessGroupNCCL.cpp:1, unhandled system error\nmore detail")
-
-    def peer():
-        raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:5")
-
-    for main, line in ((nccl, "error: DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1, "
-                              "unhandled system error"),
-                       (peer, "error: another process of this run stopped (Connection closed "
-                              "by peer); the last checkpoint is kept: continue with --resume")):
-        with pytest.raises(SystemExit) as exit_info:
-            common.run(main)
-        assert exit_info.value.code == 2
-        err = capsys.readouterr().err.splitlines()
-        assert len(err) == 1 and err[0].startswith(line), err

@@ -414,13 +414,13 @@ def tiny_run(folder, out, *extra):
 
 
 def test_bad_input_is_a_user_error(tiny_folder, tmp_path):
-    """A support set smaller than the batch, and --resume of another script's checkpoint."""
+    """A support set smaller than the batch, and --resume of another script's run."""
     with pytest.raises(common.UserError, match="support-size"):
         nnclr_dcl.main(smoke_args(tiny_folder, tmp_path / "a", "--support-size", "8"))
     os.makedirs(tmp_path / "b")
-    foreign = {"args": {"loss": "dcl"}, "script": "simclr_dcl"}
-    torch.save(foreign, tmp_path / "b" / "checkpoint.pt")
-    with pytest.raises(common.UserError, match="made by simclr_dcl.py, not nnclr_dcl.py"):
+    foreign = {"script": "simclr_dcl", "argv": ["--loss", "dcl"]}
+    (tmp_path / "b" / "config.json").write_text(json.dumps(foreign))
+    with pytest.raises(common.UserError, match="that run is simclr_dcl.py's, not nnclr_dcl.py's"):
         nnclr_dcl.main(["--resume", str(tmp_path / "b")])
 
 
@@ -443,7 +443,7 @@ def test_smoke_python_and_torchrun_agree(tiny_folder, tmp_path):
     assert one.returncode == 0, one.stderr[-3000:]
     two = run_script("nnclr_dcl.py", args(tmp_path / "two"), nproc=2)
     assert two.returncode == 0, two.stderr[-3000:]
-    assert "final: method nnclr_dcl.py --loss dclw --temperature 0.2 " in one.stdout
+    assert "final: command nnclr_dcl.py " in one.stdout
     assert " linear_top1 " in one.stdout
     _, (line1,), _ = check_run_folder(tmp_path / "one", 1)
     _, (line2,), _ = check_run_folder(tmp_path / "two", 1)

@@ -33,10 +33,10 @@ def parts():
 def test_part_one_holds_what_the_methods_build_on_and_comes_first():
     first, second, _, _ = parts()
     for name in ("gather_with_grad", "GlobalBatchNorm", "ResNet", "Augment", "colour_jitter",
-                 "train_batches", "knn_accuracy", "linear_probe", "OnlineProbe", "LARS",
-                 "learning_rate"):
+                 "load_data", "image_folder", "ImageFiles", "train_batches", "knn_accuracy",
+                 "linear_probe", "OnlineProbe", "LARS", "learning_rate"):
         assert name in first, name
-    for name in ("run", "parse_args", "Run", "image_folder", "ImageFiles", "hold_run_folder"):
+    for name in ("run", "parse_args", "setup", "EpochMeter", "Run", "write_atomic"):
         assert name in second, name
 
 
