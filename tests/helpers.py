@@ -1,6 +1,7 @@
-"""Helpers shared by the tests: generated ImageFolders (tiny coloured ones; common's textures),
-running the real scripts in a subprocess (plain python or torchrun), and running a test function
-in 2 gloo processes."""
+"""Helpers shared by the tests (and benchmarks/speed.py): which method files exist and how each
+runs small (QUICK_START, from the README), a script's main() run in this process with its
+train_step watched (run_main), generated ImageFolders, running the real scripts in a subprocess
+(plain python or torchrun), and running a test function in 2 gloo processes."""
 
 import contextlib
 import os
@@ -16,6 +17,89 @@ TESTS = os.path.join(ROOT, "tests")
 # (a fifth method is in every structural test without a list to edit).
 METHODS = tuple(sorted(name[:-3] for name in os.listdir(ROOT)
                        if name.endswith(".py") and name != "common.py"))
+
+
+def quick_start():
+    """{method file: its options in the README's quick start}: T, then its line's own. This is
+    the one place that says how each method runs small: every test and benchmark of "each method"
+    reads it (tests/test_readme.py checks that every method file has its line)."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    lines = text[text.index("## Quick start"):].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("T="))
+    t = " ".join(lines[start:start + 2]).split('"')[1].replace("\\", "").split()
+    runs = {}
+    for line in lines[start + 2:]:
+        words = line.split("#")[0].split()
+        if len(words) > 2 and words[0] == "python" and words[2] == "$T":
+            runs[words[1][:-3]] = t + words[3:]
+        elif not line.strip() or not line.startswith(" "):
+            break
+    return runs
+
+
+QUICK_START = quick_start()
+# A method's quick start made tiny for a test: 2 epochs of 4 steps, a narrow network
+TINY = ["--limit-train", "64", "--batch-size", "16", "--width", "4", "--proj-hidden", "16",
+        "--proj-dim", "8", "--epochs", "2", "--warmup-epochs", "1", "--knn-k", "10",
+        "--linear-epochs", "0", "--device", "cpu", "--workers", "0"]
+
+
+def tiny(method, *more):
+    """Method file `method`'s quick start, made tiny (TINY), then `more`."""
+    return [*QUICK_START[method], *TINY, *map(str, more)]
+
+
+class Stop(Exception):
+    """Ends a main() run by run_main once it has taken the steps asked."""
+
+
+def run_main(module, argv, before=None, after=None, steps=None, data=None):
+    """module.main(argv) in this process as its user runs it, its train_step watched: before(i,
+    args, kwargs) may return other (args, kwargs) for the i-th call (from 1), after(i, args,
+    kwargs, result) sees it done; main ends after `steps` calls (None: when it ends). `data`, a
+    common.Data, stands in for the data set (common.load_data). The names are put back, and any
+    progress bar closed, after."""
+    import common
+    from tqdm import tqdm
+
+    real_step, real_load, calls = module.train_step, common.load_data, []
+
+    def train_step(*args, **kwargs):
+        calls.append(1)
+        if before is not None:
+            args, kwargs = before(len(calls), args, kwargs) or (args, kwargs)
+        result = real_step(*args, **kwargs)
+        if after is not None:
+            after(len(calls), args, kwargs, result)
+        if steps is not None and len(calls) >= steps:
+            raise Stop
+        return result
+
+    def load_data(args, ctx, crops=2):
+        args.image_size = data.image_size
+        return data
+
+    module.train_step = train_step
+    if data is not None:
+        common.load_data = load_data
+    try:
+        module.main([str(a) for a in argv])
+    except Stop:
+        pass
+    finally:
+        module.train_step = real_step
+        common.load_data = real_load
+        for bar in list(tqdm._instances):
+            bar.close()
+    return len(calls)
+
+
+def modules_of(args, kwargs):
+    """The nn.Modules a train_step call was given (its networks, queue, support set)."""
+    import torch.nn as nn
+
+    return [v for v in [*args, *kwargs.values()] if isinstance(v, nn.Module)]
 
 
 class FailingWrites:

@@ -1,10 +1,10 @@
-"""A run survives its scheduler: a checkpoint at each epoch's end; SIGKILL, SIGTERM or Ctrl-C at
-any step loses only the epoch it came in, one line says so, and the same command then continues
-to the end of an uninterrupted run, bit for bit (1 process and 2); SIGTERM in the final evaluation
-ends the process within seconds; a finished run, another command, or --resume with another
-option changes nothing in the folder. The runs are real processes (no fork of this one)."""
+"""A run survives its scheduler: a checkpoint at each epoch's end; a lost process in epoch 2 of a
+2-process run loses only that epoch, and the same command then continues to the end of an
+uninterrupted run, bit for bit; SIGTERM in the final evaluation ends the process within seconds;
+a finished run, another command, or --resume with another option changes nothing in the folder.
+Each method file stopped by each signal: tests/test_each_method.py. The runs are real processes
+(no fork of this one)."""
 
-import importlib
 import json
 import os
 import signal
@@ -64,42 +64,6 @@ def same_run(a, b):
 
 def errors(text):
     return [line for line in text.splitlines() if line.startswith(("error", "stopped"))]
-
-
-# script, the signal, the train_step call it comes in (4 an epoch: 6 and 7 are epoch 2's)
-STOPS = [
-    ("simclr_dcl", "KILL", 7),
-    ("simsiam_byol_gsg", "TERM", 6),
-    ("moco_simmoco_simco", "INT", 6),
-    ("nnclr_dcl", "TERM", 7),
-]
-
-
-@pytest.mark.parametrize("script, name, call", STOPS, ids=[s[0] for s in STOPS])
-def test_a_stopped_run_continues_with_the_same_command_bit_for_bit(tmp_path, capsys, script,
-                                                                   name, call):
-    """One process stopped in epoch 2: SIGKILL, or SIGTERM / SIGINT (one line naming the folder,
-    exit status 128 + the signal's number, no traceback, no temp file). Epoch 1's checkpoint is
-    kept; the same command then continues from it (and says so) and ends as an uninterrupted
-    run: results.json, backbone.pt, the checkpoint's tensors and every loss."""
-    module = importlib.import_module(script)
-    module.main(command(script, tmp_path / "straight"))
-    out = tmp_path / "stopped"
-    done = signalled(script, command(script, out), 0, call, name)
-    number = getattr(signal, f"SIG{name}")
-    if name == "KILL":
-        assert done.returncode == -number
-    else:
-        assert done.returncode == 128 + number, done.stderr[-2000:]
-        assert errors(done.stderr) == [
-            f"stopped (SIG{name}); the last checkpoint is kept: continue with --resume {out}"]
-        assert "Traceback" not in done.stderr
-    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
-    assert torch.load(out / "checkpoint.pt", weights_only=True)["epoch"] == 1
-    capsys.readouterr()
-    module.main(command(script, out))
-    assert f"continuing {out} from epoch 2" in capsys.readouterr().out
-    same_run(tmp_path / "straight", out)
 
 
 def test_two_processes_killed_in_epoch_2_continue_bit_for_bit(tmp_path):

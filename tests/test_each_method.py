@@ -1,0 +1,167 @@
+"""What every method file must do, each run as the README's quick start runs it (helpers.QUICK_START,
+the one place a method file is named: a new script with its quick-start line is checked here with
+nothing edited). `pytest -k NAME` selects one method file's checks:
+
+- its real script as `python` and under `torchrun --nproc_per_node=2` writes the same run: the
+  run folder, and the first step's loss alike (2 processes compute what one does);
+- stopped in epoch 2 (SIGKILL, SIGTERM or Ctrl-C), the same command continues it bit for bit;
+- its quick start learns: kNN top-1 at least MARGIN points above the same network untrained;
+- a step of its main() builds no tensor from Python data (a blocking copy on a GPU).
+
+The runs are real processes (no fork of this one), but the last, which runs main() here."""
+import collections
+import importlib
+import json
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers import (QUICK_START, check_run_folder, modules_of, run_main, run_script, tiny)
+from test_preemption import errors, same_run, signalled
+
+METHODS = sorted(QUICK_START)
+# kNN top-1 points over the untrained network. Measured for the quick starts' seed 0, at one
+# thread: the smallest gain 23.6 (benchmarks/README.md, "How the README's numbers were measured")
+MARGIN = 10.0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_python_and_torchrun_write_the_same_run(method, tmp_path):
+    """One step of 16 images (an epoch), as `python` and as `torchrun --nproc_per_node=2`: both
+    write the whole run folder, the start-up line from rank 0 alone, and the step's loss (before
+    any update: float32 rounding apart) within 1e-4 of each other."""
+    args = [*tiny(method, "--limit-train", "16", "--epochs", "1"), "--linear-epochs", "1"]
+    runs = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"nproc{nproc}"
+        done = run_script(f"{method}.py", [*args, "--out", out], nproc=nproc)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert sum(line.startswith("run ") for line in done.stdout.splitlines()) == 1
+        _, (line,), results = check_run_folder(out, epochs=1)
+        assert "linear_top1" in results
+        runs[nproc] = line["loss"]
+    assert abs(runs[1] - runs[2]) < 1e-4 * max(1.0, abs(runs[1])), runs
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_stopped_run_continues_with_the_same_command_bit_for_bit(method, tmp_path, capsys):
+    """One process stopped in epoch 2 (4 steps an epoch): SIGKILL, SIGTERM or Ctrl-C, one to a
+    method in turn. The signals a run handles end it with one line naming the folder, exit
+    status 128 + the signal's number, no traceback; no temp file is left. Epoch 1's checkpoint is
+    kept; the same command then continues from it (and says so) and ends as an uninterrupted run
+    does: results.json, backbone.pt, the checkpoint's tensors and every loss."""
+    name = ["KILL", "TERM", "INT"][METHODS.index(method) % 3]
+    module = importlib.import_module(method)
+    module.main([*tiny(method), "--out", tmp_path / "straight"])
+    out = tmp_path / "stopped"
+    argv = [*tiny(method), "--out", out]
+    done = signalled(method, argv, 0, 6, name)  # epoch 2's second step
+    number = getattr(signal, f"SIG{name}")
+    if name == "KILL":
+        assert done.returncode == -number
+    else:
+        assert done.returncode == 128 + number, done.stderr[-2000:]
+        assert errors(done.stderr) == [
+            f"stopped (SIG{name}); the last checkpoint is kept: continue with --resume {out}"]
+        assert "Traceback" not in done.stderr
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["epoch"] == 1
+    capsys.readouterr()
+    module.main(argv)
+    assert f"continuing {out} from epoch 2" in capsys.readouterr().out
+    same_run(tmp_path / "straight", out)
+
+
+@pytest.fixture(scope="module")
+def quick_starts(request, tmp_path_factory):
+    """quick_starts(method) -> (kNN untrained, kNN trained) of the method's quick start, run as
+    the README says (with --linear-epochs 0, --workers 0) at one thread, and with --epochs 0. At
+    the first call the runs of every selected method are made, two processes at a time."""
+    root = tmp_path_factory.mktemp("quick_starts")
+    selected = {item.callspec.params["method"] for item in request.session.items
+                if item.module is request.module and "quick_start" in item.name}
+    done = {}
+
+    def run(job):
+        method, epochs = job
+        out = root / f"{method}-{epochs}"
+        argv = [*QUICK_START[method], "--linear-epochs", "0", "--workers", "0",
+                "--device", "cpu", "--out", out, *epochs]
+        process = run_script(f"{method}.py", argv)
+        assert process.returncode == 0, (method, process.stderr[-2000:])
+        with open(out / "results.json") as f:
+            return json.load(f)["knn_top1"]
+
+    def knn(method):
+        if not done:
+            jobs = [(m, e) for m in sorted(selected) for e in ([], ["--epochs", "0"])]
+            with ThreadPoolExecutor(2) as pool:
+                for job, top1 in zip(jobs, pool.map(run, jobs)):
+                    done[job[0], bool(job[1])] = top1
+        return done[method, True], done[method, False]
+    return knn
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_quick_start_learns(method, quick_starts):
+    """The README's quick-start line for the method (3 epochs on the generated textures) ends with
+    kNN top-1 at least MARGIN points above the same network untrained (--epochs 0). Guards a
+    training step that does not learn; tests/test_learning.py has each paper's variants."""
+    untrained, trained = quick_starts(method)
+    assert trained >= untrained + MARGIN, f"{method}: kNN {trained:.1f}% vs {untrained:.1f}%"
+
+
+class OpNames(TorchDispatchMode):
+    """The aten ops dispatched inside it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+# torch.tensor, as_tensor and new_tensor of Python data, on the CPU (on CUDA the copy that
+# follows is a second op). A Python number given to an op (scalar_tensor) is no copy: CUDA's
+# kernels take it as an argument.
+FROM_PYTHON_DATA = {"lift_fresh", "lift_fresh_copy"}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_step_of_main_builds_no_tensor_from_python_data(method, tmp_path):
+    """DESIGN section 3: on a GPU each tensor built from Python data is a blocking host-to-device
+    copy, and with 8 GPUs every host waits for the slowest. Counted from the end of main()'s
+    first train_step to the end of its second: the probes and the meter of step 1, the schedule,
+    the augmentation, GSG's pairs and train_step (loss, optimiser, EMA, queue, support set) of
+    step 2. The CPU sees each such copy as an aten.lift_fresh. CUDA twin: tests/test_cuda.py."""
+    counter = OpNames()
+
+    def after(step, args, kwargs, result):
+        if step == 1:
+            counter.__enter__()
+        else:
+            counter.__exit__(None, None, None)
+
+    run_main(importlib.import_module(method), [*tiny(method), "--out", tmp_path / "run"],
+             after=after, steps=2)
+    made = {k: counter.names[k] for k in FROM_PYTHON_DATA}
+    assert sum(counter.names.values()) > 100 and sum(made.values()) == 0, made
+
+
+def test_run_main_sees_each_steps_networks(tmp_path):
+    """helpers.run_main gives each train_step call's own arguments: the modules main() built
+    (here MoCo v2's query network, key encoder and queue), and ends main after the steps asked."""
+    import moco_simmoco_simco
+
+    seen = []
+    argv = [*tiny("moco_simmoco_simco"), "--method", "mocov2", "--queue-size", "32",
+            "--out", tmp_path / "run"]
+    taken = run_main(moco_simmoco_simco, argv, steps=2,
+                     after=lambda i, a, k, r: seen.append(len(modules_of(a, k))))
+    assert taken == 2 and seen == [3, 3]
