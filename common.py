@@ -1350,10 +1350,12 @@ class EpochMeter:
             loss, done = self.copied
             if done is None or done.query():
                 shown["loss"] = f"{float(loss):.4f}"
-        mean = torch.as_tensor(self.sums["loss"]) / self.steps
-        done = torch.cuda.Event() if mean.is_cuda else None
-        loss = mean.to("cpu", non_blocking=True)
-        if done is not None:
+        loss = torch.as_tensor(self.sums["loss"]) / self.steps
+        done = None
+        if loss.is_cuda:  # into pinned memory: a copy without a wait
+            pinned = torch.empty((), pin_memory=True)
+            loss = pinned.copy_(loss, non_blocking=True)
+            done = torch.cuda.Event()
             done.record()  # after the copy
         self.copied = (loss, done)
         self.bar.set_postfix(shown, refresh=False)

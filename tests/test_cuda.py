@@ -1,44 +1,34 @@
-"""On a CUDA GPU: every method's step there is the CPU's step, 2 GPUs train as one (float32 and
-bf16), and nothing a step does makes the host wait; the scripts run there as a user runs them
-(torchrun and common.setup on 2 GPUs, --compile, a checkpoint resumed). Skipped without CUDA;
-the 2-process tests need 2 GPUs.
+"""On a CUDA GPU: each method file's first step there is the CPU's step, its main() runs there as a
+user runs it (its defaults' probes, an authors' linear protocol, --compile, a resume) and makes the
+host wait for nothing; a streamed image folder; 2 GPUs train as one. Skipped without CUDA; the
+2-process tests need 2 GPUs. The method files are the README's quick start's
+(helpers.QUICK_START), each made tiny (helpers.tiny); the GPU check is
 
-    python -m pytest -q tests/test_cuda.py
+    python -m pytest -q -rs tests/test_cuda.py && python benchmarks/speed.py --device cuda --compile
 
-Each method file's real train_step, its model, optimiser, queue, support set and EMA target built
-as its main() builds them (benchmarks/speed.py's `training`, ResNet-18 w16 and small heads,
-batch 64 of 32 px views made by the file's own recipes on the CPU), from the same weights and the
-same views on both devices. Compared: the loss, the gradient norm, and each module's update
-(after - before), |delta - delta_cpu| / |delta_cpu| over its parameters and over its buffers;
-integer buffers (queue pointers, labels, step counts) must be equal.
-
-Tolerances (relative; the loss's absolute below 1) are those benchmarks/gpu_check.py stated (the
-tool this test replaced, at commit 94f9159), set there from CPU measurements (ResNet-18 w16,
-batch 64, 32 px): in float32 another convolution algorithm (oneDNN off) moved the loss by
-<= 1.1e-6, the gradient norm by <= 3.4e-4 and updates by <= 1.1e-2 (the rounding of another
-summation order grows through the backward pass), EMA targets' by <= 2.6e-2; under bf16 autocast
-updates moved by <= 0.68 (NNCLR: neighbours change), so bf16's update bound only catches an update
-lost, doubled or reversed (errors of 1 or more). One is raised: bf16's loss bound, 1e-2 there, is
-3e-2 here, as at this test's sizes CPU bf16 autocast moved NNCLR's loss by 1.4e-2 (its neighbours
-change; every other method's by <= 2.7e-3; float32 with oneDNN off: loss <= 1.9e-6, gradient
-norm <= 6.1e-4, updates <= 8.6e-3, all measured here on the CPU at 94f9159). CUDA's float32 runs
-without TF32, as the CPU computes.
+The step's comparison: each method's main() on the CPU (float32) and on CUDA (float32, which
+common.setup keeps free of TF32; or bf16 autocast), its first train_step given the same views
+(the CPU's) from the same weights (built from --seed on the CPU, then moved), the same labels,
+GSG pairs and queue. Compared: the loss and each module's update (after - before), |delta -
+delta_cpu| / |delta_cpu| over its parameters and over its buffers; integer buffers (queue
+pointers, labels, step counts) must be equal. Tolerances (relative; the loss's absolute below 1)
+were set from CPU measurements (ResNet-18 w16, batch 64, 32 px, at 94f9159): in float32 another
+convolution algorithm moved the loss by <= 1.1e-6 and updates by <= 1.1e-2 (the rounding of
+another summation order grows through the backward pass); under bf16 autocast updates moved by
+<= 0.68 (NNCLR: neighbours change), so bf16's update bound only catches an update lost, doubled
+or reversed, and its loss bound is 3e-2 (NNCLR's loss moved by 1.4e-2).
 """
-import functools
-import math
 import os
 import sys
+import warnings
 
 import pytest
 import torch
+import torch.nn as nn
 
 import common
-import moco_simmoco_simco as mss
-import nnclr_dcl
-import simclr_dcl
-import simsiam_byol_gsg as gsg
-from helpers import (ROOT, check_run_folder, run_distributed, run_script, smoke_args,
-                     stop_in_epoch)
+from helpers import (QUICK_START, ROOT, check_run_folder, run_distributed,
+                     run_main, run_script, smoke_args, stop_in_epoch, tiny)
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import speed  # noqa: E402
@@ -46,40 +36,26 @@ import speed  # noqa: E402
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
-TOLERANCES = {"float32": {"loss": 1e-4, "grad_norm": 5e-3, "update": 5e-2},
-              "bf16": {"loss": 3e-2, "grad_norm": 5e-2, "update": 0.9}}
-DIST_TOLERANCE = 1e-3  # 2 processes vs 1, float32: each step's global loss (gpu_check.py's)
-BATCH, SIZE, STEPS = 64, 32, 2  # STEPS: the 2-process runs' steps (test_two_gpus_train_as_one)
-# every method, and the variants whose train_step takes another path (a second queue, two crops,
-# random stop-gradient, DCLW)
-METHODS = {
-    "simclr-dcl": (simclr_dcl, ["--loss", "dcl"]),
-    "simclr-dclw": (simclr_dcl, ["--loss", "dclw"]),
-    "mocov2": (mss, ["--method", "mocov2"]),
-    "mocov2-symmetric": (mss, ["--method", "mocov2", "--symmetric"]),
-    "simmoco": (mss, ["--method", "simmoco"]),
-    "simco": (mss, ["--method", "simco"]),
-    "simsiam-symmetric": (gsg, ["--method", "simsiam", "--stopgrad", "symmetric"]),
-    "simsiam-gsg": (gsg, ["--method", "simsiam", "--stopgrad", "guided"]),
-    "byol-gsg": (gsg, ["--method", "byol", "--stopgrad", "guided"]),
-    "byol-random": (gsg, ["--method", "byol", "--stopgrad", "random"]),
-    "nnclr-dcl": (nnclr_dcl, ["--loss", "dcl"]),
-}
+METHODS = sorted(QUICK_START)
+HARNESS = next(iter(QUICK_START))  # the README's first quick-start script
+TOLERANCES = {"float32": {"loss": 1e-4, "update": 5e-2},
+              "bf16": {"loss": 3e-2, "update": 0.9}}
+DIST_TOLERANCE = 1e-3  # 2 processes vs 1, float32: the first step's global loss
+# 32 images of 20 px (textures), batch 32: one step an epoch; width 16
+STEP = ["--limit-train", "32", "--batch-size", "32", "--width", "16", "--epochs", "1"]
+
+
+def bf16_or_skip(precision):
+    if precision == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        pytest.skip("no native bf16 on this GPU")
 
 
 @pytest.fixture(autouse=True)
-def no_tf32():
-    """float32 as the CPU computes it: no TF32 in cuBLAS's matmuls or cuDNN's convolutions."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+def scripts_float32():
+    """float32 as common.setup sets it for every run (no TF32), put back after the test."""
+    saved = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
     yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
-def build(name, ctx):
-    mod, options = METHODS[name]
-    argv = [*options, "--width", "16", "--batch-size", str(BATCH), *speed.SMALL_HEADS[mod]]
-    return speed.training(mod, argv, ctx, SIZE)
+    torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = saved
 
 
 def snapshot(modules):
@@ -89,34 +65,31 @@ def snapshot(modules):
                                 ("buffers", module.named_buffers())) for n, x in named}
 
 
-def steps(name, ctx, count=1):
-    """`count` real train_steps of method `name` in ctx's process (its rows of each global batch)
-    -> global loss of each step, gradient norm of the last (this rank's), state before and after."""
-    t = build(name, ctx)
-    mod = METHODS[name][0]
-    cpu = common.Context(0, 1, 0, torch.device("cpu"), "", False)
-    augment = common.Augment(mod.recipes(t.args), SIZE, *common.STATS["cifar10"], cpu)
-    order = torch.Generator().manual_seed(1)  # GSG's pairs, drawn on the CPU as in main()
-    rows = slice(ctx.rank * BATCH // ctx.world, (ctx.rank + 1) * BATCH // ctx.world)
-    before, losses = snapshot(t.modules), []
-    for step in range(count):
-        g = torch.Generator().manual_seed(step)
-        images = torch.randint(0, 256, (BATCH, 3, SIZE, SIZE), dtype=torch.uint8, generator=g)
-        labels = torch.randint(0, 10, (BATCH,), generator=g)[rows].to(ctx.device)
-        views = [moved(v, ctx.device) for v in augment(images[rows], g)]  # its rows' draws
-        loss = t.step(views, labels, order)  # the mean over this rank's rows
-        losses.append(float(common.all_reduce_sum(loss.float())) / ctx.world)
-    grads = [p.grad.double().norm() for group in t.optimizer.param_groups
-             for p in group["params"] if p.grad is not None]
-    return {"losses": losses, "grad_norm": float(torch.stack(grads).norm()), "before": before,
-            "after": snapshot(t.modules)}
+def first_step(method, device, tmp_path, views=None, bf16=False):
+    """The method's main() on `device`, stopped after its first train_step, given `views` (CPU
+    tensors) for it if any -> its views on the CPU, its loss, its modules before and after."""
+    module = __import__(method)
+    real = module.train_step
+    seen = {}
 
+    def before(i, args, kwargs):
+        bound = speed.arguments(real, args, kwargs)
+        seen["modules"] = {n: m for n, m in bound.items() if isinstance(m, nn.Module)}
+        seen["before"] = snapshot(seen["modules"])
+        if views is not None:
+            given = [v.to(device).contiguous(memory_format=torch.channels_last) for v in views]
+            bound["views"] = given
+            return (), dict(bound)
+        seen["views"] = [v.cpu() for v in bound["views"]]
 
-def moved(view, device):
-    """A CPU view on `device`, in the layout the device's augmentation gives (channels_last on
-    CUDA, common.normalize)."""
-    view = view.to(device)
-    return view.contiguous(memory_format=torch.channels_last) if view.is_cuda else view
+    def after(i, args, kwargs, result):
+        seen["loss"] = float(result[0])
+        seen["after"] = snapshot(seen["modules"])
+
+    argv = [*tiny(method), *STEP, "--device", device, "--amp" if bf16 else "--no-amp",
+            "--out", tmp_path / f"{method}-{device}"]
+    run_main(module, argv, before=before, after=after, steps=1)
+    return seen
 
 
 def update_errors(run, reference):
@@ -129,133 +102,141 @@ def update_errors(run, reference):
         group = f"update {key[0]}.{key[1]}"
         if not start.is_floating_point():  # pointers, labels, counts: equal, else inf
             if not torch.equal(mine_after, after):
-                sums.setdefault(group, [0.0, 0.0])[0] = math.inf
+                sums.setdefault(group, [0.0, 0.0])[0] = float("inf")
             continue
         delta, reference_delta = (mine_after - mine).double(), (after - start).double()
         total = sums.setdefault(group, [0.0, 0.0])
         total[0] += float((delta - reference_delta).square().sum())
         total[1] += float(reference_delta.square().sum())
-    return {group: 0.0 if error == 0 else math.sqrt(error / size) if size > 0 else math.inf
+    return {group: 0.0 if error == 0 else (error / size) ** 0.5 if size > 0 else float("inf")
             for group, (error, size) in sums.items()}
 
 
-def beyond(errors, tolerance):
-    """The errors over their tolerance (the tolerance named by the error's first word)."""
-    return {k: f"{v:.2g} > {tolerance[k.split()[0]]:g}" for k, v in errors.items()
-            if not v <= tolerance[k.split()[0]]}
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_step(name):
-    return steps(name, common.Context(0, 1, 0, torch.device("cpu"), "", False))
-
-
 @pytest.mark.parametrize("precision", ["float32", "bf16"])
-@pytest.mark.parametrize("name", METHODS)
-def test_the_cuda_step_is_the_cpu_step(name, precision):
-    """One real train_step on CUDA (float32 without TF32, or bf16 autocast) against the same step
-    on the CPU in float32 from the same weights and views: loss, gradient norm and every module's
-    update within TOLERANCES[precision]."""
-    if precision == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
-        pytest.skip("no native bf16 on this GPU")
-    cuda = steps(name, common.Context(0, 1, 0, torch.device("cuda"), "", precision == "bf16"))
-    reference = cpu_step(name)
-    loss, loss_cpu = cuda["losses"][0], reference["losses"][0]
-    errors = {"loss": abs(loss - loss_cpu) / max(abs(loss_cpu), 1.0),
-              "grad_norm": abs(cuda["grad_norm"] - reference["grad_norm"]) / reference["grad_norm"],
-              **update_errors(cuda, reference)}
-    assert not beyond(errors, TOLERANCES[precision]), (beyond(errors, TOLERANCES[precision]),
-                                                       errors)
+@pytest.mark.parametrize("method", METHODS)
+def test_the_cuda_step_is_the_cpu_step(method, precision, tmp_path):
+    """The method's first train_step in its main() on CUDA (float32 without TF32, or bf16
+    autocast) against the same step on the CPU in float32, given the CPU's views: loss and every
+    module's update within TOLERANCES[precision]."""
+    bf16_or_skip(precision)
+    cpu = first_step(method, "cpu", tmp_path)
+    cuda = first_step(method, "cuda", tmp_path, cpu["views"], precision == "bf16")
+    tolerance = TOLERANCES[precision]
+    errors = {"loss": abs(cuda["loss"] - cpu["loss"]) / max(abs(cpu["loss"]), 1.0),
+              **update_errors(cuda, cpu)}
+    beyond = {k: v for k, v in errors.items() if not v <= tolerance[k.split()[0]]}
+    assert not beyond, (beyond, errors)
 
 
-def _worker_two_gpus(precision):
-    """In each of 2 NCCL processes (tests/dist_worker.py, DIST_BACKEND=nccl): every method's first
-    STEPS steps on this rank's half of each global batch, in float32 or under bf16 autocast."""
-    torch.backends.cudnn.allow_tf32 = False
-    rank = common.rank()
-    ctx = common.Context(rank, 2, rank, torch.device("cuda", rank), "", precision == "bf16")
-    return {name: steps(name, ctx, STEPS) for name in METHODS}
+def count_syncs(method, argv, tmp_path):
+    """The method's main() on CUDA with the progress bar on (as on a terminal), the host-device
+    syncs counted from the end of its first train_step to the end of its fourth: the probes,
+    the meter and the bar, the schedule, the augmentation and train_step -> (syncs, steps)."""
+    caught = warnings.catch_warnings(record=True)
+    seen = {}
 
+    def after(i, args, kwargs, result):
+        if i == 1:
+            seen["warnings"] = caught.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        if i == 4:  # before the epoch's end (the kNN monitor waits, as it must)
+            torch.cuda.set_sync_debug_mode(0)
+            seen["steps"] = 3
 
-@two_gpus
-@pytest.mark.parametrize("precision", ["float32", "bf16"])
-def test_two_gpus_train_as_one(tmp_path, monkeypatch, precision):
-    """STEPS steps of every method in 2 NCCL processes (gathered negatives, global BatchNorm,
-    global queue and support set, DDP's averaged gradients) against one process on one GPU with
-    the whole batch, in the same precision: each step's global loss within DIST_TOLERANCE in
-    float32 (bf16: its loss tolerance), each module's update after the steps, on both ranks,
-    within the precision's update tolerance. bf16 (issue 45): the global BatchNorm returns bf16
-    as nn's does, so 2 GPUs compute what one does (on the CPU, tests/test_global_batchnorm.py).
-    Two steps: the second's loss already sees the first's update through every exchange; later
-    steps on these random images drift apart by rounding alone (2 gloo processes against one on
-    the CPU, measured at 94f9159: after 2 steps losses <= 6.3e-7 apart, updates <= 1.7e-3; the
-    3rd step's losses up to 9.6e-4, updates up to 3.9e-2)."""
-    bf16 = precision == "bf16"
-    if bf16 and not torch.cuda.is_bf16_supported(including_emulation=False):
-        pytest.skip("no native bf16 on this GPU")
-    monkeypatch.setenv("DIST_BACKEND", "nccl")
-    ranks = run_distributed("test_cuda", "_worker_two_gpus", tmp_path, precision)
-    loss_tolerance = TOLERANCES["bf16"]["loss"] if bf16 else DIST_TOLERANCE
-    failed = {}
-    for name in METHODS:
-        one = steps(name, common.Context(0, 1, 0, torch.device("cuda"), "", bf16), STEPS)
-        for rank, run in enumerate(r[name] for r in ranks):
-            errors = {f"loss {i}": abs(a - b) / max(abs(b), 1.0)
-                      for i, (a, b) in enumerate(zip(run["losses"], one["losses"]))}
-            errors = beyond(errors, {"loss": loss_tolerance}) | beyond(
-                update_errors(run, one), TOLERANCES[precision])
-            if errors:
-                failed[f"{name} rank {rank}"] = errors
-    assert not failed, failed
-
-
-def _worker_no_host_sync():
-    """In each of 2 NCCL processes: forward + backward of a SimCLR network passed through
-    common.distribute (global BatchNorm in the ResNet and the projector, DDP) under
-    torch.cuda.set_sync_debug_mode("error"), after two warm-up passes (DDP builds its buckets)."""
-    rank = common.rank()
-    ctx = common.Context(rank, 2, rank, torch.device("cuda", rank), "",
-                         torch.cuda.is_bf16_supported(including_emulation=False))
-    torch.manual_seed(0)
-    net = common.distribute(simclr_dcl.SimCLR("resnet18", 8, SIZE, 64, 32).to(ctx.device), ctx)
-    views = torch.randn(2 * 16, 3, SIZE, SIZE, device=ctx.device)
-    views = views.contiguous(memory_format=torch.channels_last)
-
-    def forward_backward():
-        with ctx.autocast():
-            z = net(views)
-        common.float32(z).square().mean().backward()
-    for _ in range(2):
-        forward_backward()
-    torch.cuda.set_sync_debug_mode("error")
+    hide_bar = common.hide_bar
+    common.hide_bar = lambda rank: rank != 0
     try:
-        for _ in range(2):
-            forward_backward()
+        run_main(__import__(method), [*argv, "--out", tmp_path / "run"], after=after)
     finally:
+        common.hide_bar = hide_bar
         torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
-    return "no sync"
+        caught.__exit__(None, None, None)
+    return sum("synchroniz" in str(w.message) for w in seen["warnings"]), seen["steps"]
 
 
-@two_gpus
-def test_global_batchnorm_never_makes_the_host_wait(tmp_path, monkeypatch):
-    """DESIGN section 3: the ranks exchange per-channel statistics through the autograd-aware
-    gather, with no .item() or boolean indexing: a synchronising call in forward or backward
-    raises under set_sync_debug_mode("error") and fails the worker."""
-    monkeypatch.setenv("DIST_BACKEND", "nccl")
-    assert run_distributed("test_cuda", "_worker_no_host_sync", tmp_path) == ["no sync"] * 2
+@pytest.mark.parametrize("method", METHODS)
+def test_main_runs_on_cuda_and_its_steps_make_the_host_wait_for_nothing(method, tmp_path):
+    """The method's main() on CUDA, tiny, with its defaults' structure (MoCo's online and
+    momentum probes on) and the moco linear protocol (crop + flip views, 1 epoch): steps 2 to 4
+    under set_sync_debug_mode("warn") count no host sync; the run folder is whole."""
+    argv = [*tiny(method), "--device", "cuda", "--linear-protocol", "moco", "--linear-epochs", "1"]
+    syncs, steps = count_syncs(method, argv, tmp_path)
+    assert steps >= 3 and syncs == 0, f"{method}: {syncs} host syncs in {steps} steps"
+    _, _, results = check_run_folder(tmp_path / "run")
+    assert results["linear_protocol"] == "moco"
+
+
+def epoch_loss(method, argv, tmp_path, name):
+    out = tmp_path / name
+    run_main(__import__(method), [*argv, "--out", out])
+    return check_run_folder(out)[1][-1]["loss"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_compiled_main_equals_eager(method, tmp_path):
+    """--compile (the network and the augmentation) for the method's tiny run of 2 epochs, float32:
+    each epoch's loss within 1e-3 of the eager run's (inductor's kernels round otherwise; a view
+    or a step gone wrong moves it far more)."""
+    argv = [*tiny(method), "--device", "cuda", "--no-amp"]
+    eager = epoch_loss(method, argv, tmp_path, "eager")
+    compiled = epoch_loss(method, [*argv, "--compile"], tmp_path, "compiled")
+    assert abs(compiled - eager) <= 1e-3 * max(1.0, abs(eager)), (compiled, eager)
+    torch._dynamo.reset()
+
+
+def test_compiled_blur_above_64_px_equals_eager(tiny_folder, tmp_path):
+    """Above 64 px SimCLR's recipe blurs (p 0.5): the harness script on an image folder cropped to
+    72 px, --compile against eager, float32: the epoch's loss within 1e-3."""
+    argv = [*smoke_args(tiny_folder, tmp_path / "unused", "--image-size", "72", "--no-amp"),
+            "--device", "cuda"]
+    eager = epoch_loss(HARNESS, argv, tmp_path, "eager")
+    compiled = epoch_loss(HARNESS, [*argv, "--compile"], tmp_path, "compiled")
+    assert abs(compiled - eager) <= 1e-3 * max(1.0, abs(eager)), (compiled, eager)
+    torch._dynamo.reset()
+
+
+def test_a_streamed_image_folder_on_cuda(tiny_folder, tmp_path):
+    """An image folder on CUDA: 2 DataLoader workers decode and crop, pinned memory, the
+    evaluation's loader and an authors' linear protocol on streamed crops; the run folder."""
+    out = tmp_path / "run"
+    args = [*smoke_args(tiny_folder, out, "--workers", "2", "--linear-protocol", "moco",
+                        "--linear-epochs", "1"), "--device", "cuda"]
+    done = run_script(f"{HARNESS}.py", args)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    check_run_folder(out)
+
+
+def test_a_cuda_checkpoint_resumes_on_cuda(tiny_folder, tmp_path):
+    """The harness script on CUDA stopped in epoch 2 of 2 (Ctrl-C), then --resume: epoch 1's
+    checkpoint loads on the GPU and the run finishes its 2 epochs, one metrics line each."""
+    out = tmp_path / "run"
+    argv = [*smoke_args(tiny_folder, out, "--epochs", "2", "--linear-epochs", "0"),
+            "--device", "cuda"]
+    stop_in_epoch(2, argv, HARNESS)
+    done = run_script(f"{HARNESS}.py", ["--resume", out])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    check_run_folder(out, epochs=2)
+
+
+def test_the_scripts_float32_has_no_tf32():
+    """common.setup on CUDA sets float32 matmuls and convolutions to full float32 (cuDNN's
+    convolutions default to TF32), as the README says."""
+    torch.backends.cudnn.conv.fp32_precision = "tf32"
+    common.setup(__import__(HARNESS).parse_args(["--device", "cuda", "--out", "/nonexistent"]))
+    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    assert torch.backends.cudnn.conv.fp32_precision == "ieee"
 
 
 # ------------------------------------------------------------------------------ what a step meets
 def augment_on(device):
-    """common.Augment on `device` with every op on (two recipes: crop, flip, jitter with hue,
-    grey, blur, solarize), and a batch of uint8 images there."""
-    recipes = [common.Recipe(blur_p=0.5, solarize_p=0.2),
-               common.Recipe(crop_scale=(0.2, 1.0), gray_p=0.5, blur_p=1.0)]
+    """common.Augment on `device` with every op on (crop, flip, jitter with hue, grey, blur,
+    solarize), and a batch of uint8 images there."""
+    recipes = [common.Recipe(blur_p=0.5, solarize_p=0.2), common.Recipe(gray_p=0.5, blur_p=1.0)]
     ctx = common.Context(0, 1, 0, torch.device(device), "", False)
-    augment = common.Augment(recipes, SIZE, *common.STATS["cifar10"], ctx)
+    augment = common.Augment(recipes, 32, *common.STATS["cifar10"], ctx)
     g = torch.Generator().manual_seed(0)
-    images = torch.randint(0, 256, (BATCH, 3, SIZE, SIZE), dtype=torch.uint8, generator=g)
+    images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8, generator=g)
     return augment, images.to(device)
 
 
@@ -286,74 +267,57 @@ def test_the_augmentation_on_cuda_is_the_cpus_and_draws_from_a_cuda_generator():
     torch.cuda.synchronize()
 
 
-def whole_step(name, device):
-    """Method `name`'s training as main() builds it on `device` (speed.training) -> a function
-    that runs one step as main()'s loop does: the augmentation (a device generator), GSG's
-    pairs (the CPU's order generator), train_step (loss, optimiser, EMA, queue, support set)."""
-    ctx = common.Context(0, 1, 0, torch.device(device), "", False)
-    t = build(name, ctx)
-    augment = common.Augment(METHODS[name][0].recipes(t.args), SIZE, *common.STATS["cifar10"],
-                             ctx)
-    order, generator = common.epoch_generators(0, 0, ctx.device)
-    g = torch.Generator().manual_seed(0)
-    images = torch.randint(0, 256, (BATCH, 3, SIZE, SIZE), dtype=torch.uint8, generator=g)
-    images = images.to(device)
-    labels = torch.randint(0, 10, (BATCH,), generator=g).to(device)
-    return lambda: t.step(augment(images, generator), labels, order)
+# ------------------------------------------------------------------------------ 2 GPUs
+@two_gpus
+@pytest.mark.parametrize("method", METHODS)
+def test_two_gpus_take_the_first_step_of_one(method, tmp_path):
+    """The method's real script under torchrun on 2 GPUs (NCCL: gathered negatives, global
+    BatchNorm, global queue and support set, DDP) and as one process on one GPU, float32, one
+    step (an epoch): the step's global loss within DIST_TOLERANCE, the run folder whole."""
+    losses = []
+    for nproc in (1, 2):
+        out = tmp_path / f"nproc{nproc}"
+        argv = [*tiny(method), *STEP, "--device", "cuda", "--no-amp", "--out", out]
+        done = run_script(f"{method}.py", argv, nproc=nproc)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        losses.append(check_run_folder(out)[1][0]["loss"])
+    assert abs(losses[0] - losses[1]) <= DIST_TOLERANCE * max(1.0, abs(losses[0])), losses
 
 
-@pytest.mark.parametrize("name", METHODS)
-def test_the_whole_step_never_makes_the_host_wait(name):
-    """Issue 45: the augmentation, the loss, the optimiser, the EMA, the queue and the support set
-    of a step, after a first step (the optimiser's state, cuDNN's choices), under
-    torch.cuda.set_sync_debug_mode("error"): a blocking copy (a tensor built from Python data),
-    an .item() or a boolean index raises and fails the test. CPU twin:
-    tests/test_host_waits.py."""
-    step = whole_step(name, "cuda")
-    step()
-    torch.cuda.synchronize()
+def _worker_no_host_sync():
+    """In each of 2 NCCL processes: forward + backward of a ResNet and a projector with batch
+    norm, passed through common.distribute (global BatchNorm, DDP), under
+    torch.cuda.set_sync_debug_mode("error"), after two warm-up passes (DDP builds its buckets)."""
+    rank = common.rank()
+    ctx = common.Context(rank, 2, rank, torch.device("cuda", rank), "",
+                         torch.cuda.is_bf16_supported(including_emulation=False))
+    torch.manual_seed(0)
+    model = nn.Sequential(common.ResNet("resnet18", 8, 32), nn.Linear(64, 64),
+                          nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 32))
+    net = common.distribute(model.to(ctx.device), ctx)
+    views = torch.randn(32, 3, 32, 32, device=ctx.device)
+    views = views.contiguous(memory_format=torch.channels_last)
+
+    def forward_backward():
+        with ctx.autocast():
+            z = net(views)
+        common.float32(z).square().mean().backward()
+    for _ in range(2):
+        forward_backward()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        step()
+        for _ in range(2):
+            forward_backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
-
-
-# The scripts' command line (--compile, the run folder and how a run continues).
-def cuda_args(folder, out, *extra):
-    """helpers.smoke_args (a tiny ImageFolder, width 8, 16 px, batch 16) on CUDA."""
-    args = smoke_args(folder, out, *extra)
-    args[args.index("--device") + 1] = "cuda"
-    return args
+    return "no sync"
 
 
 @two_gpus
-def test_a_script_runs_under_torchrun_on_two_gpus(tiny_folder, tmp_path):
-    """simclr_dcl.py under torchrun, 2 processes: common.setup() binds each to its GPU
-    (LOCAL_RANK) and joins NCCL's process group (and gloo's beside it); one epoch, the kNN
-    monitor, the final evaluation and the run folder, as on the CPU."""
-    out = tmp_path / "run"
-    done = run_script("simclr_dcl.py", cuda_args(tiny_folder, out), nproc=2)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    check_run_folder(out)
-
-
-def test_one_compiled_step_on_cuda(tiny_folder, tmp_path):
-    """simclr_dcl.py --compile on CUDA, one step (--limit-train 16: one batch of 16): the network,
-    the augmentation and the loss compiled (inductor's GPU kernels), then the run folder."""
-    out = tmp_path / "run"
-    args = cuda_args(tiny_folder, out, "--compile", "--limit-train", "16", "--linear-epochs", "0")
-    done = run_script("simclr_dcl.py", args)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    check_run_folder(out)
-
-
-def test_a_cuda_checkpoint_resumes_on_cuda(tiny_folder, tmp_path):
-    """simclr_dcl.py on CUDA stopped in epoch 2 of 2 (Ctrl-C), then --resume: epoch 1's
-    checkpoint loads on the GPU and the run finishes its 2 epochs, one metrics line each."""
-    out = tmp_path / "run"
-    stop_in_epoch(2, cuda_args(tiny_folder, out, "--epochs", "2", "--linear-epochs", "0"))
-    done = run_script("simclr_dcl.py", ["--resume", out])
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    check_run_folder(out, epochs=2)
+def test_global_batchnorm_never_makes_the_host_wait(tmp_path, monkeypatch):
+    """DESIGN section 3: the ranks exchange per-channel statistics through the autograd-aware
+    gather, with no .item() or boolean indexing: a synchronising call in forward or backward
+    raises under set_sync_debug_mode("error") and fails the worker."""
+    monkeypatch.setenv("DIST_BACKEND", "nccl")
+    assert run_distributed("test_cuda", "_worker_no_host_sync", tmp_path) == ["no sync"] * 2
