@@ -4,6 +4,7 @@ train_step watched (run_main), generated ImageFolders, running the real scripts 
 (plain python or torchrun), and running a test function in 2 gloo processes."""
 
 import contextlib
+import importlib
 import os
 import socket
 import subprocess
@@ -39,6 +40,8 @@ def quick_start():
 
 
 QUICK_START = quick_start()
+# The script the harness's tests run (the run folder, faults, data): the quick start's first
+HARNESS = next(iter(QUICK_START))
 # A method's quick start made tiny for a test: 2 epochs of 4 steps, a narrow network
 TINY = ["--limit-train", "64", "--batch-size", "16", "--width", "4", "--proj-hidden", "16",
         "--proj-dim", "8", "--epochs", "2", "--warmup-epochs", "1", "--knn-k", "10",
@@ -264,7 +267,7 @@ def texture_image_folder(root, seed=0):
     return root
 
 
-def stop_in_epoch(epoch, argv, script="simclr_dcl"):
+def stop_in_epoch(epoch, argv, script=HARNESS):
     """SCRIPT's main(argv) stopped by Ctrl-C as epoch `epoch` (from 1) begins its first step
     (4 steps an epoch: the tiny folder's 72 images, batch 16), as common.run ends it: exit
     status 130, the checkpoint of epoch `epoch` - 1 kept. In this process: the script's
@@ -292,3 +295,40 @@ def stop_in_epoch(epoch, argv, script="simclr_dcl"):
     finally:
         module.train_step = real
     assert exit_info.value.code == 130
+
+
+def harness_module():
+    """The harness script's module."""
+    return importlib.import_module(HARNESS)
+
+
+def small_network(width=4, image_size=8, hidden=16, dim=8):
+    """A ResNet-18 and a projector with batch norm (Linear-BN-ReLU-Linear), as the methods build
+    theirs: what common's tests train (LARS, the global BatchNorm, the probes)."""
+    import torch.nn as nn
+
+    import common
+
+    class Network(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone = common.ResNet("resnet18", width, image_size)
+            self.projector = nn.Sequential(
+                nn.Linear(self.backbone.out_dim, hidden, bias=False), nn.BatchNorm1d(hidden),
+                nn.ReLU(), nn.Linear(hidden, dim))
+
+        def forward(self, x):
+            return self.projector(self.backbone(x))
+
+    return Network()
+
+
+def global_batch_loss(z):
+    """A loss over the global batch, as the contrastive ones are: each rank's unit rows against
+    every rank's (gathered with their gradient), log-sum-exp -> the mean over this rank's rows."""
+    import torch.nn.functional as F
+
+    import common
+
+    z = F.normalize(common.float32(z), dim=1)
+    return (z @ common.gather_with_grad(z).T / 0.1).logsumexp(1).mean()

@@ -1,5 +1,5 @@
 """common.py: augmentation against torchvision, evaluation, schedule, global BatchNorm, checkpoints
-and resume, and every bad-input case (run through simclr_dcl.py)."""
+and resume, and every bad-input case (run through the harness script, helpers.HARNESS)."""
 
 import io
 import itertools
@@ -13,10 +13,12 @@ import torch.nn as nn
 import torchvision.transforms.functional as TF
 
 import common
-import simclr_dcl
 from common import Augment, Context, Recipe
+from helpers import HARNESS, harness_module
 from helpers import (METHODS, FailingWrites, check_run_folder, run_distributed, run_script,
                      smoke_args, stop_in_epoch, tiny_image_folder)
+
+harness = harness_module()  # the README's first quick-start script
 
 CPU = torch.device("cpu")
 ONE = torch.ones(4)  # a colour_jitter factor that leaves every image unchanged
@@ -259,7 +261,7 @@ def test_knn_and_linear_probe_are_at_chance_on_random_labels():
 
 def test_the_augmented_probe_runs_when_the_processes_do_not_divide_its_batch(tiny_folder, tmp_path):
     """Rank 0 of 3 with a probe batch of 16: the batch becomes 15, 5 images per process."""
-    args = simclr_dcl.parse_args(smoke_args(tiny_folder, tmp_path))
+    args = harness.parse_args(smoke_args(tiny_folder, tmp_path))
     data = common.load_data(args, ctx_for(0, 1))
     backbone = common.ResNet("resnet18", 8, 16)
     accuracy = common.linear_probe_augmented(backbone, data, ctx_for(0, 3), "gsg-cifar", epochs=1,
@@ -411,9 +413,10 @@ def test_crash_mid_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
 
 
 def fails_with(argv, capsys, message):
-    """Run simclr_dcl as its __main__ does: one 'error:' line, exit status 2, no traceback."""
+    """Run the harness script as its __main__ does: one 'error:' line, exit status 2, no
+    traceback."""
     with pytest.raises(SystemExit) as exit_info:
-        common.run(lambda: simclr_dcl.main(argv))
+        common.run(lambda: harness.main(argv))
     assert exit_info.value.code == 2
     # the lines a terminal shows: a progress bar that was cleared (by "\r") does not count, nor
     # a start-up warning (smoke runs end within the warm-up)
@@ -475,7 +478,7 @@ def test_a_folder_without_a_run_is_not_resumed(tmp_path, capsys):
 def test_an_untrained_run_writes_every_file_of_a_run_folder(tiny_folder, tmp_path):
     """--epochs 0 (the untrained network, evaluated) still leaves metrics.jsonl, empty: tools
     that read run folders (benchmarks/compare.py) find the same files in every one."""
-    simclr_dcl.main(smoke_args(tiny_folder, tmp_path, "--epochs", "0", "--linear-epochs", "0"))
+    harness.main(smoke_args(tiny_folder, tmp_path, "--epochs", "0", "--linear-epochs", "0"))
     assert {"config.json", "metrics.jsonl", "backbone.pt", "results.json"} <= set(
         os.listdir(tmp_path))
     assert (tmp_path / "metrics.jsonl").read_text() == ""
@@ -484,7 +487,7 @@ def test_an_untrained_run_writes_every_file_of_a_run_folder(tiny_folder, tmp_pat
 def test_a_new_run_never_overwrites_an_existing_run_folder(tiny_folder, tmp_path, capsys):
     """A second run with the same --out stops with one line naming --resume; the first run's
     files are byte-for-byte unchanged."""
-    simclr_dcl.main(smoke_args(tiny_folder, tmp_path, "--linear-epochs", "0"))
+    harness.main(smoke_args(tiny_folder, tmp_path, "--linear-epochs", "0"))
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     assert {"config.json", "checkpoint.pt", "metrics.jsonl", "backbone.pt"} <= before.keys()
     capsys.readouterr()
@@ -501,12 +504,12 @@ def test_runs_started_in_the_same_second_get_their_own_default_folders(tmp_path)
     from helpers import _env
 
     code = ("import time; time.strftime = lambda *a: '20260101-000000'; import common, "
-            "simclr_dcl; args = simclr_dcl.parse_args(['--device', 'cpu']); "
+            f"{HARNESS} as harness; args = harness.parse_args(['--device', 'cpu']); "
             "print(common.setup(args).out)")
     runs = [subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=_env(),
                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [run.communicate(timeout=120)[0].strip() for run in runs]
-    assert all(out.startswith(os.path.join("runs", "simclr_dcl-20260101-000000")) for out in outs)
+    assert all(out.startswith(os.path.join("runs", f"{HARNESS}-20260101-000000")) for out in outs)
     assert outs[0] != outs[1], outs
 
 
@@ -544,7 +547,7 @@ def test_class_folders_that_differ_between_train_and_val_are_named(tiny_folder, 
 
 def test_unknown_dataset_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        simclr_dcl.main(["--dataset", "mnist"])
+        harness.main(["--dataset", "mnist"])
     assert exit_info.value.code == 2 and "invalid choice" in capsys.readouterr().err
 
 
@@ -552,7 +555,7 @@ def test_scripts_print_one_line_and_no_traceback(tiny_folder, tmp_path):
     """The real script as `python` (missing data) and under torchrun (batch not divisible by 2):
     our 'error:' line, a non-zero exit, no traceback from our code. (torchrun adds its own
     launcher report after any failed worker; that part is torchrun's.)"""
-    one = run_script("simclr_dcl.py", smoke_args(tmp_path / "nowhere", tmp_path / "o1"))
+    one = run_script(f"{HARNESS}.py", smoke_args(tmp_path / "nowhere", tmp_path / "o1"))
     assert (
         one.returncode == 2
         and one.stderr.strip().startswith("error: ")
@@ -560,11 +563,11 @@ def test_scripts_print_one_line_and_no_traceback(tiny_folder, tmp_path):
     )
     assert len(one.stderr.strip().splitlines()) == 1
     two = run_script(
-        "simclr_dcl.py", smoke_args(tiny_folder, tmp_path / "o2", "--batch-size", "15"), nproc=2
+        f"{HARNESS}.py", smoke_args(tiny_folder, tmp_path / "o2", "--batch-size", "15"), nproc=2
     )
     assert two.returncode != 0
     assert "error: --batch-size 15 must be a multiple of the 2 processes" in two.stderr
-    assert 'simclr_dcl.py", line' not in two.stderr and 'common.py", line' not in two.stderr
+    assert f'{HARNESS}.py", line' not in two.stderr and 'common.py", line' not in two.stderr
 
 
 def test_a_run_that_failed_in_its_first_epoch_starts_again_in_its_folder(
@@ -573,25 +576,27 @@ def test_a_run_that_failed_in_its_first_epoch_starts_again_in_its_folder(
     """No checkpoint yet: the error says so, and the same command then runs in that folder (its
     metrics.jsonl starts empty)."""
     argv = smoke_args(tiny_folder, tmp_path, "--linear-epochs", "0")
-    real = simclr_dcl.contrastive_loss
-    monkeypatch.setattr(
-        simclr_dcl, "contrastive_loss", lambda *a, **k: real(*a, **k) * float("nan")
-    )
+    real = harness.train_step
+
+    def nan_loss(*args, **kwargs):
+        loss, *more = real(*args, **kwargs)
+        return (loss * float("nan"), *more)
+    monkeypatch.setattr(harness, "train_step", nan_loss)
     fails_with(argv, capsys, "in epoch 1; no checkpoint was written")
     monkeypatch.undo()
-    simclr_dcl.main(argv)
+    harness.main(argv)
     check_run_folder(tmp_path, epochs=1)
 
 
 def test_option_values_that_cannot_run_are_refused(tiny_folder, tmp_path, capsys):
     for option in (["--wd", "-1"], ["--lr", "inf"], ["--seed", str(2**40)]):
         with pytest.raises(SystemExit) as exit_info:
-            simclr_dcl.parse_args(smoke_args(tiny_folder, tmp_path, *option))
+            harness.parse_args(smoke_args(tiny_folder, tmp_path, *option))
         assert exit_info.value.code == 2
         assert f"argument {option[0]}: must be" in capsys.readouterr().err
     for scale in (["1", "0.5"], ["0", "1"]):
         with pytest.raises(SystemExit) as exit_info:
-            simclr_dcl.parse_args(smoke_args(tiny_folder, tmp_path, "--crop-scale", *scale))
+            harness.parse_args(smoke_args(tiny_folder, tmp_path, "--crop-scale", *scale))
         assert exit_info.value.code == 2
         assert "--crop-scale" in capsys.readouterr().err.splitlines()[-1]
     (tmp_path / "a_file").write_text("")
@@ -604,14 +609,14 @@ def test_a_run_killed_between_logging_and_saving_an_epoch_logs_it_once(tiny_fold
     stop_in_epoch(2, argv)
     with open(tmp_path / "metrics.jsonl", "a") as f:  # epoch 2 logged, its checkpoint not saved
         f.write('{"epoch": 2, "loss": 0.0}\n{"epoch": 3, "lo')  # and half a line after it
-    simclr_dcl.main(argv)
+    harness.main(argv)
     _, lines, _ = check_run_folder(tmp_path, epochs=2)
     assert lines[1]["loss"] != 0.0
 
 
 def test_limit_train_keeps_every_class_of_an_image_folder(tiny_folder, tmp_path):
     """Image folders list their files class by class: --limit-train spreads over them."""
-    args = simclr_dcl.parse_args(smoke_args(tiny_folder, tmp_path, "--limit-train", "16"))
+    args = harness.parse_args(smoke_args(tiny_folder, tmp_path, "--limit-train", "16"))
     data = common.load_data(args, ctx_for(0, 1))
     assert len(data) == 16 and data.train_labels.bincount().tolist() == [6, 5, 5]
 
@@ -623,11 +628,11 @@ def test_streaming_image_folder_and_augmented_linear_probe(tiny_folder, tmp_path
     """An image folder streams (DataLoader workers decode and crop) and writes a whole run; an
     augmented --linear-protocol runs on it too, and results.json names the protocol; its
     accuracy counts the 18 validation images."""
-    simclr_dcl.main(smoke_args(tiny_folder, tmp_path / "stream"))
+    harness.main(smoke_args(tiny_folder, tmp_path / "stream"))
     config, _, results = check_run_folder(tmp_path / "stream", epochs=1)
     assert results["linear_protocol"] == "fixed"
     aug = ["--linear-protocol", "moco", "--linear-epochs", "1"]
-    simclr_dcl.main(smoke_args(tiny_folder, tmp_path / "aug", *aug))
+    harness.main(smoke_args(tiny_folder, tmp_path / "aug", *aug))
     _, _, results = check_run_folder(tmp_path / "aug", epochs=1)
     assert results["linear_protocol"] == "moco"
     correct = results["linear_top1"] * 18 / 100  # 3 classes x 6 validation images
@@ -692,7 +697,7 @@ def test_the_final_evaluation_shows_its_progress(tiny_folder, tmp_path, capsys):
     bar (on ImageNet they take hours; before, nothing moved once the epoch's bar closed)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "stderr", Terminal())
-        simclr_dcl.main(smoke_args(tiny_folder, tmp_path / "tty", "--linear-epochs", "2"))
+        harness.main(smoke_args(tiny_folder, tmp_path / "tty", "--linear-epochs", "2"))
         err = sys.stderr.getvalue()
     assert "features:" in err and "linear probe:" in err and "epoch 1/1" in err
 
@@ -700,7 +705,7 @@ def test_the_final_evaluation_shows_its_progress(tiny_folder, tmp_path, capsys):
 def test_a_log_piped_to_a_file_gets_the_epoch_lines_and_no_bars(tiny_folder, tmp_path, capsys):
     """Not on a terminal (stderr captured, as a file is), no progress bar redraws: the epoch line
     and the final lines alone."""
-    simclr_dcl.main(smoke_args(tiny_folder, tmp_path, "--linear-epochs", "2"))
+    harness.main(smoke_args(tiny_folder, tmp_path, "--linear-epochs", "2"))
     out, err = capsys.readouterr()
     assert "it/s" not in err and "features:" not in err and "epoch 1/1" not in err
     assert "epoch 1  loss " in out and "final: " in out

@@ -14,9 +14,10 @@ import torch
 import torchvision
 
 import common
-import simclr_dcl
-from helpers import check_run_folder
+from helpers import HARNESS, check_run_folder, harness_module
 
+
+harness = harness_module()  # the README's first quick-start script
 
 def coloured_images(n, size, seed):
     """n class-tinted uint8 images (n, 3, size, size) and their labels 0..9."""
@@ -64,7 +65,7 @@ def test_cifar10_is_decoded_once_to_uint8_on_the_device(tmp_path, no_md5):
     """(N, H, W, 3) pickles -> (N, 3, 32, 32) uint8 with int64 labels; --limit-train cuts the
     train set."""
     root = write_cifar10(str(tmp_path))
-    args = simclr_dcl.parse_args(
+    args = harness.parse_args(
         ["--data-dir", root, "--device", "cpu", "--limit-train", "30", "--batch-size", "16"]
     )
     data = common.load_data(args, common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False))
@@ -89,7 +90,7 @@ def test_training_run_on_the_fake_set_uses_the_stem_of_its_image_size(dataset, w
     stride 1), STL-10's 96 px the ImageNet one (7x7 stride 2 with max-pool)."""
     root = globals()[write](str(tmp_path / "data"))
     out = tmp_path / "run"
-    simclr_dcl.main(["--dataset", dataset, "--data-dir", root, "--width", "8", "--epochs", "1",
+    harness.main(["--dataset", dataset, "--data-dir", root, "--width", "8", "--epochs", "1",
                      "--batch-size", "16", "--device", "cpu", "--linear-epochs", "2",
                      "--out", str(out)])
     check_run_folder(out, epochs=1)
@@ -100,7 +101,7 @@ def test_stl10_pretrains_on_train_plus_unlabeled_and_evaluates_on_labelled_split
     """train+unlabeled (labels -1 for the unlabeled part) for pre-training, train/test for
     evaluation."""
     root = write_stl10(str(tmp_path))
-    args = simclr_dcl.parse_args(
+    args = harness.parse_args(
         ["--dataset", "stl10", "--data-dir", root, "--device", "cpu", "--batch-size", "16"]
     )
     data = common.load_data(args, common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False))
@@ -135,14 +136,14 @@ def test_textures_are_held_like_cifar_and_nothing_is_written(tmp_path, monkeypat
     """--dataset textures: generated from --seed in memory and held on the device as CIFAR is
     (eval_train is the training set); no file is written outside the run folder."""
     monkeypatch.chdir(tmp_path)
-    args = simclr_dcl.parse_args(["--dataset", "textures", "--device", "cpu", "--seed", "3",
+    args = harness.parse_args(["--dataset", "textures", "--device", "cpu", "--seed", "3",
                                   "--limit-train", "100", "--batch-size", "16"])
     data = common.load_data(args, common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False))
     (images, labels), (test, _) = common.texture_images(3)
     assert torch.equal(data.train, images[:100]) and torch.equal(data.train_labels, labels[:100])
     assert data.eval_train[0] is data.train and torch.equal(data.eval_test[0], test)
     assert (data.num_classes, data.image_size, data.streaming) == (5, 20, False)
-    simclr_dcl.main(["--dataset", "textures", "--width", "8", "--epochs", "1", "--batch-size",
+    harness.main(["--dataset", "textures", "--width", "8", "--epochs", "1", "--batch-size",
                      "64", "--limit-train", "256", "--device", "cpu", "--linear-epochs", "1",
                      "--out", "run"])
     check_run_folder(tmp_path / "run", epochs=1)

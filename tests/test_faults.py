@@ -1,6 +1,6 @@
 """Nothing is lost, whatever happens to a run: every file in a run folder is written whole or not
 at all, a full disk or a damaged file is one line, no checkpoint holds a non-finite tensor, and
---resume continues a run as it was started (tiny runs of simclr_dcl.py on CPU, in this process;
+--resume continues a run as it was started (tiny runs of the harness script on CPU, here;
 signals: test_preemption.py)."""
 
 import errno
@@ -15,9 +15,11 @@ import pytest
 import torch
 
 import common
-import simclr_dcl
-from helpers import FailingWrites, check_run_folder, smoke_args, stop_in_epoch
+from helpers import (FailingWrites, HARNESS, check_run_folder, harness_module, smoke_args,
+                     stop_in_epoch)
 from test_common import fails_with
+
+harness = harness_module()  # the README's first quick-start script
 
 SMALL = ["--proj-hidden", "32", "--linear-epochs", "0"]  # a 1.5 MB checkpoint
 
@@ -43,7 +45,7 @@ def test_resume_continues_a_run_with_its_own_command_line(stopped_run, tmp_path,
     projector, not the default 2048, so its states load) to its end; the line says from which
     epoch. A folder without a run, or a run of another script, is one error line."""
     run = copy_of(stopped_run, tmp_path)
-    simclr_dcl.main(["--resume", str(run)])
+    harness.main(["--resume", str(run)])
     assert f"continuing {run} from epoch 2" in capsys.readouterr().out
     config, _, _ = check_run_folder(run, epochs=2)
     assert config["args"]["proj_hidden"] == 32
@@ -52,7 +54,7 @@ def test_resume_continues_a_run_with_its_own_command_line(stopped_run, tmp_path,
         import nnclr_dcl
         common.run(lambda: nnclr_dcl.main(["--resume", str(run)]))
     assert exit_info.value.code == 2
-    assert "that run is simclr_dcl.py's, not nnclr_dcl.py's" in capsys.readouterr().err
+    assert f"that run is {HARNESS}.py's, not nnclr_dcl.py's" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("change", [
@@ -96,7 +98,7 @@ def test_a_failed_results_write_leaves_none_and_the_same_command_finishes(
     assert not (tmp_path / "run" / "results.json").exists()
     assert not temp_files(tmp_path / "run")
     monkeypatch.undo()
-    simclr_dcl.main(argv)
+    harness.main(argv)
     check_run_folder(tmp_path / "run", epochs=1)
 
 
@@ -179,7 +181,7 @@ def test_weights_that_become_non_finite_in_a_finite_epoch_keep_the_last_checkpoi
     """The last step of epoch 2 leaves a weight infinite (its loss, and so the epoch's mean, was
     finite before it): the run stops with one line naming epoch 1's checkpoint as kept, and
     that checkpoint holds no non-finite tensor."""
-    real = simclr_dcl.train_step
+    real = harness.train_step
     steps = []
 
     def train_step(net, optimizer, views, args, ctx):
@@ -191,13 +193,13 @@ def test_weights_that_become_non_finite_in_a_finite_epoch_keep_the_last_checkpoi
         return result
 
     out = tmp_path / "run"
-    simclr_dcl.train_step = train_step
+    harness.train_step = train_step
     try:
         fails_with(smoke_args(tiny_folder, out, "--epochs", "3", *SMALL), capsys,
                    "error: the weights became non-finite in epoch 2; epoch 1's checkpoint is "
                    "kept. Lower --lr")
     finally:
-        simclr_dcl.train_step = real
+        harness.train_step = real
     assert torch.load(out / "checkpoint.pt", weights_only=True)["epoch"] == 1
     assert not non_finite(out / "checkpoint.pt")
     assert [json.loads(line)["epoch"] for line in open(out / "metrics.jsonl")] == [1]

@@ -13,15 +13,14 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
-import simclr_dcl
-from helpers import run_distributed
+from helpers import run_distributed, small_network
 
 WORLD = 2
 CASES = {  # the layer, the global batch, affine
     "2d": (nn.BatchNorm2d, (16, 16, 6, 6), True),
     "1d without affine": (nn.BatchNorm1d, (16, 16), False),
 }
-# bf16 at 2 processes against 1 (a SimCLR network, 16 images of
+# bf16 at 2 processes against 1 (a ResNet and a projector, 16 images of
 # 8 px): measured 6.6e-8 for the loss and 6.4e-3 for the gradients;
 # the bounds are 4 and 8 of bf16's roundings (8 bits: 3.9e-3)
 BF16_LOSS = 1.6e-2
@@ -106,13 +105,13 @@ def ops(layer, x):
 
 
 def bf16_network(world, rank):
-    """A SimCLR network (ResNet-18 w4 and its projector: BatchNorm2d
+    """A ResNet-18 w4 and a projector (BatchNorm2d
     and 1d) under bf16 autocast, distributed as main() does, on
     rank's rows of 16 images -> the global loss, the gradients, the
     dtype of every BatchNorm's output, the running statistics."""
     ctx = ctx_for(rank, world, amp=True)
     torch.manual_seed(0)
-    model = simclr_dcl.SimCLR("resnet18", 4, 8, 16, 8)
+    model = small_network()
     net = common.distribute(model, ctx)
     dtypes = set()
     for m in model.modules():
@@ -198,7 +197,7 @@ def test_it_costs_at_most_four_batchnorms_and_one_collective_each_way(ranks):
 
 
 def test_bf16_at_two_processes_is_bf16_at_one(ranks):
-    """Under CPU bf16 autocast a SimCLR network at 2 processes, as
+    """Under CPU bf16 autocast a ResNet and a projector at 2 processes, as
     at one: every BatchNorm returns bf16 (nn's does; before issue
     45 GlobalBatchNorm returned float32), the statistics are
     float32 and equal to nn's, and the global loss and the

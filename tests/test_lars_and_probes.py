@@ -11,9 +11,9 @@ import torch.nn as nn
 
 import common
 import moco_simmoco_simco
-import simclr_dcl
 import simsiam_byol_gsg
-from helpers import float64, run_distributed, smoke_args
+from helpers import (float64, global_batch_loss, harness_module, run_distributed, small_network,
+                     smoke_args)
 from test_runs import flat_tensors
 
 CPU = torch.device("cpu")
@@ -63,7 +63,7 @@ def test_lars_takes_the_formulas_step_tensor_by_tensor(float64, clip):
 
 
 def test_lars_groups_keep_batchnorm_and_biases_out_of_decay_and_trust():
-    model = simclr_dcl.SimCLR("resnet18", 4, 8, proj_hidden=16, proj_dim=8)
+    model = small_network()
     groups = common.optimizer_groups(model.parameters())
     adapted = [p for g in groups if g.get("adapt", True) for p in g["params"]]
     plain = [g for g in groups if not g.get("adapt", True)]
@@ -78,20 +78,22 @@ LABELS = torch.tensor([0, 1, 2, 0, -1, 1, -1, 2])  # rank 1 holds both unlabelle
 
 
 def _lars_and_online_probe_steps(ctx, rows):
-    """3 real simclr_dcl train steps with LARS (clip on) and the online probe on the backbone,
+    """3 steps of a global-batch loss with LARS (clip on) and the online probe on the backbone,
     float64 -> the model's and the probe's state."""
     torch.manual_seed(0)
-    model = simclr_dcl.SimCLR("resnet18", 4, 8, proj_hidden=16, proj_dim=8)
+    model = small_network()
     net = common.distribute(model, ctx)
-    args = SimpleNamespace(optimizer="lars", wd=1e-3, lars_eta=0.02, lars_clip=True,
-                           temperature=0.1, loss="dcl", sigma=0.5)
+    args = SimpleNamespace(optimizer="lars", wd=1e-3, lars_eta=0.02, lars_clip=True)
     optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, 0.5)
     probe = common.OnlineProbe(model.backbone, 3, ctx, seed=0)
     model.backbone.register_forward_hook(probe.keep)  # as online_probes does
     g = torch.Generator().manual_seed(3)
     for _ in range(3):
         views = [torch.randn(8, 3, 8, 8, generator=g, dtype=torch.float64)[rows] for _ in range(2)]
-        simclr_dcl.train_step(net, optimizer, views, args, ctx)
+        loss = global_batch_loss(net(torch.cat(views)))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
         probe.step(LABELS[rows], 0.5)
     return ({k: v.detach().clone() for k, v in model.state_dict().items()},
             {k: v.detach().clone() for k, v in probe.classifier.state_dict().items()})
@@ -100,7 +102,7 @@ def _lars_and_online_probe_steps(ctx, rows):
 def _streamed_probe(folder, ctx):
     """The moco protocol on a streamed image folder, 2 epochs, batch 16 -> (its classifier's
     state, test top-1 %)."""
-    args = simclr_dcl.parse_args(smoke_args(folder, os.path.join(folder, "no-run")))
+    args = harness_module().parse_args(smoke_args(folder, os.path.join(folder, "no-run")))
     data = common.load_data(args, ctx)
     assert data.streaming
     torch.manual_seed(0)
@@ -135,7 +137,7 @@ def test_lars_and_the_online_probe_train_like_one_process(two_processes):
     with float64():
         model, classifier = _lars_and_online_probe_steps(ctx_for(0, 1), slice(0, 8))
     torch.manual_seed(0)
-    initial = simclr_dcl.SimCLR("resnet18", 4, 8, proj_hidden=16, proj_dim=8).state_dict()
+    initial = small_network().state_dict()
     for rank in two_processes:
         for key, value in model.items():
             assert torch.allclose(rank[0][0][key], value, rtol=0, atol=1e-10), key
@@ -180,7 +182,7 @@ def test_every_probe_leaves_the_backbone_bit_identical(tiny_folder, tmp_path, st
         out = tmp_path / protocol
         options = ["--linear-protocol", protocol, "--linear-epochs", "2", "--linear-batch", "16"]
         argv = smoke_args(tiny_folder, out, *options) if stream else [*HELD, *options]
-        args = simclr_dcl.parse_args(argv)
+        args = harness_module().parse_args(argv)
         data = common.load_data(args, ctx_for(0, 1))
         before = {k: v.clone() for k, v in backbone.state_dict().items()}
         result = common.evaluate(backbone, data, ctx_for(0, 1), args, final=True,
@@ -310,7 +312,7 @@ def test_the_knn_bank_is_float16_and_votes_as_float32_does():
     float32), and kNN top-1 on the float16 bank is float32's
     within 3 of 1,000 test images (measured: 92.3 and 84.5 at k = 200 and 1, equal)."""
     backbone = common.ResNet("resnet18", 4, 8)
-    data = SimpleNamespace(mean=(0.5,) * 3, std=(0.25,) * 3, whole=False, image_size=8)
+    data = SimpleNamespace(mean=(0.5,) * 3, std=(0.25,) * 3, image_size=8)
     images = torch.randint(0, 256, (6, 3, 8, 8), dtype=torch.uint8)
     split = (images, torch.zeros(6, dtype=torch.long))
     unit, _ = common.extract_features(backbone, split, data, ctx_for(0, 1))

@@ -16,26 +16,19 @@ import pytest
 import torch
 
 import common
-from helpers import ROOT, _env, torchrun
+from helpers import HARNESS, ROOT, _env, harness_module, tiny, torchrun
 from test_common import fails_with
 from test_runs import flat_tensors
 
 # 64 images, batch 16: 4 steps an epoch, 2 epochs
-TINY = ["--dataset", "textures", "--limit-train", "64", "--batch-size", "16", "--width", "4",
-        "--epochs", "2", "--warmup-epochs", "1", "--proj-hidden", "16", "--proj-dim", "8",
-        "--knn-k", "10", "--linear-epochs", "0", "--device", "cpu", "--workers", "0"]
-# each script with its own state: a queue, an EMA target and GSG's pairings, a support set
-OWN = {
-    "simclr_dcl": ["--loss", "dclw"],
-    "moco_simmoco_simco": ["--method", "mocov2", "--symmetric", "--queue-size", "24"],
-    "simsiam_byol_gsg": ["--method", "byol", "--stopgrad", "random", "--pred-hidden", "8"],
-    "nnclr_dcl": ["--support-size", "24", "--pred-hidden", "8"],
-}
+harness = harness_module()  # the README's first quick-start script
+
 SIGNALLED = os.path.join(ROOT, "tests", "signal_at_step.py")
 
 
 def command(script, out, *more):
-    return [*TINY, *OWN[script], *more, "--out", str(out)]
+    """The script's quick start made tiny (helpers.tiny: 2 epochs of 4 steps), then `more`."""
+    return [*tiny(script, *more), "--out", str(out)]
 
 
 def signalled(script, argv, rank, call, name, nproc=1):
@@ -70,14 +63,14 @@ def test_two_processes_killed_in_epoch_2_continue_bit_for_bit(tmp_path):
     """torchrun, 2 processes: rank 1 killed (SIGKILL, a lost node) in epoch 2's third step ends
     the run with a non-zero status; epoch 1's checkpoint is kept, and the same command then ends
     as an uninterrupted 2-process run, bit for bit."""
-    script = os.path.join(ROOT, "simclr_dcl.py")
+    script = os.path.join(ROOT, f"{HARNESS}.py")
     straight = subprocess.run(
-        torchrun(2) + [script] + command("simclr_dcl", tmp_path / "straight"),
+        torchrun(2) + [script] + command(HARNESS, tmp_path / "straight"),
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert straight.returncode == 0, straight.stderr[-3000:]
     out = tmp_path / "run"
-    argv = command("simclr_dcl", out)
-    kill = signalled("simclr_dcl", argv, 1, 7, "KILL", nproc=2)
+    argv = command(HARNESS, out)
+    kill = signalled(HARNESS, argv, 1, 7, "KILL", nproc=2)
     assert kill.returncode != 0
     assert torch.load(out / "checkpoint.pt", weights_only=True)["epoch"] == 1
     again = subprocess.run(torchrun(2) + [script] + argv,
@@ -92,10 +85,10 @@ def test_sigterm_in_the_final_linear_probe_ends_the_run_within_seconds(tmp_path)
     the process ends within 10 s with one line and exit status 143; the last checkpoint, the
     trained epoch's, is kept."""
     out = tmp_path / "run"
-    argv = command("simclr_dcl", out, "--epochs", "1", "--linear-protocol", "gsg-cifar",
+    argv = command(HARNESS, out, "--epochs", "1", "--linear-protocol", "gsg-cifar",
                    "--linear-epochs", "1000")
     env = {**_env(), "PYTHONUNBUFFERED": "1"}  # its lines as they come
-    run = subprocess.Popen([sys.executable, os.path.join(ROOT, "simclr_dcl.py"), *argv],
+    run = subprocess.Popen([sys.executable, os.path.join(ROOT, f"{HARNESS}.py"), *argv],
                            cwd=ROOT, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     for line in run.stdout:  # epoch 1's line: the final evaluation begins
@@ -121,16 +114,15 @@ def test_a_finished_run_another_command_or_option_change_nothing_in_the_folder(t
     extend the schedule) is one line, exit status 2; the same command, and --resume alone, say
     that the run is finished, exit status 0. Nothing in the folder changes."""
     import nnclr_dcl
-    import simclr_dcl
-
+    
     out = tmp_path / "run"
-    argv = command("simclr_dcl", out)
-    simclr_dcl.main(argv)
+    argv = command(HARNESS, out)
+    harness.main(argv)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     capsys.readouterr()
-    line = fails_with(command("simclr_dcl", out, "--seed", "1"), capsys,
-                      f"--out {out} holds the run of `simclr_dcl.py ")
-    assert f"--seed 1 --out {out}`" in line and line.count("simclr_dcl.py") == 2
+    line = fails_with(command(HARNESS, out, "--seed", "1"), capsys,
+                      f"--out {out} holds the run of `{HARNESS}.py ")
+    assert f"--seed 1 --out {out}`" in line and line.count(f"{HARNESS}.py") == 2
     assert "run that command again to continue it" in line
     fails_with(["--resume", out, "--epochs", "4"], capsys,
                f"--resume {out} continues that run as it was started, with no other option; "
@@ -141,7 +133,7 @@ def test_a_finished_run_another_command_or_option_change_nothing_in_the_folder(t
     assert "`nnclr_dcl.py " in capsys.readouterr().err
     for again in (argv, ["--resume", out]):
         with pytest.raises(SystemExit) as exit_info:
-            common.run(lambda: simclr_dcl.main(again))
+            common.run(lambda: harness.main(again))
         assert exit_info.value.code == 0
         assert capsys.readouterr().err.splitlines() == [f"{out} is finished (results.json)"]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -15,6 +15,9 @@ from PIL import Image
 
 import common
 from helpers import (
+    HARNESS,
+    QUICK_START,
+    harness_module,
     ROOT,
     _env,
     check_run_folder,
@@ -28,9 +31,10 @@ from helpers import (
 
 # each script with options that exercise its own state: queue, momentum encoder, EMA target,
 # support set, streaming
+harness = harness_module()  # the README's first quick-start script
+
 RESUMED = [
-    ("simclr_dcl", ["--loss", "dclw", "--proj-hidden", "32"]),
-    ("simclr_dcl", ["--workers", "2", "--proj-hidden", "32"]),
+    (HARNESS, ["--workers", "2", "--proj-hidden", "32"]),
     (
         "moco_simmoco_simco",
         ["--method", "mocov2", "--symmetric", "--queue-size", "40", "--tau-beta", "0.5"],
@@ -130,16 +134,13 @@ def test_backbone_pt_loads_into_torchvision(tmp_path, arch, size, padding):
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=0)
 
 
-# the CIFAR stem's padding in each authors' code, as issue 28 cites it: 2 in the DT fork's
-# solo/methods/base.py lines 239-241 and solo-learn's base.py lines 200-202; 1 for SimCLR and GSG
-STEM_PADDING = {"simclr_dcl": 1, "moco_simmoco_simco": 2, "simsiam_byol_gsg": 1, "nnclr_dcl": 2}
-
-
-@pytest.mark.parametrize("script", STEM_PADDING)
+@pytest.mark.parametrize("script", sorted(QUICK_START))
 def test_each_script_builds_its_authors_cifar_stem_and_records_its_padding(
         tiny_folder, tmp_path, script, monkeypatch):
-    """The 3x3 stride-1 stem pads as the script's authors' code: padding p turns 32 x 32 images
-    into (30 + 2p) x (30 + 2p) maps (34 x 34 in DT and solo-learn); config.json records p."""
+    """The 3x3 stride-1 stem pads as the script's --stem-padding says (its default: its authors'
+    code's, which the README's settings tables state and tests/test_readme.py checks): padding
+    p turns 32 x 32 images into (30 + 2p) x (30 + 2p) maps (34 x 34 in DT and solo-learn);
+    config.json records p."""
     built = []
 
     class Recorded(common.ResNet):
@@ -149,7 +150,7 @@ def test_each_script_builds_its_authors_cifar_stem_and_records_its_padding(
     monkeypatch.setattr(common, "ResNet", Recorded)
     module = importlib.import_module(script)
     module.main(smoke_args(tiny_folder, tmp_path / "run", "--epochs", "0", "--linear-epochs", "0"))
-    padding = STEM_PADDING[script]
+    padding = module.parse_args([]).stem_padding
     assert built and all(m.conv1.padding == (padding, padding) for m in built)
     assert built[0].conv1(torch.zeros(1, 3, 32, 32)).shape[-2:] == (30 + 2 * padding,) * 2
     with open(tmp_path / "run" / "config.json") as f:
@@ -191,9 +192,8 @@ def test_image_folder_evaluation_is_resize_to_s_over_0875_then_centre_crop(tmp_p
 
 
 def _args(data_dir, *extra):
-    import simclr_dcl
-
-    return simclr_dcl.parse_args(smoke_args(data_dir, "/nonexistent/out", *extra))
+    
+    return harness.parse_args(smoke_args(data_dir, "/nonexistent/out", *extra))
 
 
 def _worker_stream(same_dir):
@@ -226,7 +226,7 @@ def test_every_rank_stops_together_when_the_data_is_missing(tmp_path, monkeypatc
     for proxy in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
         monkeypatch.setenv(proxy, "http://127.0.0.1:9")
     done = run_script(
-        "simclr_dcl.py",
+        f"{HARNESS}.py",
         [
             "--dataset",
             "cifar10",
@@ -252,7 +252,7 @@ def test_an_unreadable_image_in_another_ranks_share_stops_every_rank(tiny_folder
     shutil.copytree(tiny_folder, tmp_path / "data")
     bad = sorted((tmp_path / "data" / "train").glob("*/*"))[-1]
     bad.write_bytes(b"not an image")
-    done = run_script("simclr_dcl.py", smoke_args(tmp_path / "data", tmp_path / "o"), nproc=2)
+    done = run_script(f"{HARNESS}.py", smoke_args(tmp_path / "data", tmp_path / "o"), nproc=2)
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("error")]
     assert len(errors) == 1 and errors[0].endswith(
@@ -262,9 +262,8 @@ def test_an_unreadable_image_in_another_ranks_share_stops_every_rank(tiny_folder
 
 def _worker_default_out():
     """This rank's run folder when the command line gives no --out."""
-    import simclr_dcl
-
-    args = simclr_dcl.parse_args(["--device", "cpu", "--batch-size", "4"])
+    
+    args = harness.parse_args(["--device", "cpu", "--batch-size", "4"])
     return common.setup(args).out
 
 
@@ -272,7 +271,7 @@ def test_every_rank_names_the_same_default_run_folder(tmp_path):
     """Without --out, the folder's name holds the time and the process id: rank 0 makes it and
     every rank takes it, so no rank's message names a folder that does not exist."""
     outs = run_distributed("test_runs", "_worker_default_out", tmp_path)
-    assert outs[0] == outs[1] and outs[0].startswith(os.path.join("runs", "simclr_dcl-"))
+    assert outs[0] == outs[1] and outs[0].startswith(os.path.join("runs", f"{HARNESS}-"))
 
 
 def test_two_nodes_with_their_own_data_folders_train_as_one(tiny_folder, tmp_path):
@@ -284,7 +283,7 @@ def test_two_nodes_with_their_own_data_folders_train_as_one(tiny_folder, tmp_pat
         subprocess.Popen(
             [
                 *_torchrun_node(n, port),
-                os.path.join(ROOT, "simclr_dcl.py"),
+                os.path.join(ROOT, f"{HARNESS}.py"),
                 *map(str, smoke_args(copies[n], tmp_path / "run", "--linear-epochs", "0")),
             ],
             cwd=ROOT,
@@ -300,10 +299,9 @@ def test_two_nodes_with_their_own_data_folders_train_as_one(tiny_folder, tmp_pat
         outputs[0][1][-2000:] + outputs[1][1][-2000:]
     )
     check_run_folder(tmp_path / "run", epochs=1)
-    import simclr_dcl
-
-    simclr_dcl.main(smoke_args(tiny_folder, tmp_path / "one", "--linear-epochs", "0"))
-    simclr_dcl.main(smoke_args(tiny_folder, tmp_path / "init", "--epochs", "0",
+    
+    harness.main(smoke_args(tiny_folder, tmp_path / "one", "--linear-epochs", "0"))
+    harness.main(smoke_args(tiny_folder, tmp_path / "init", "--epochs", "0",
                                "--linear-epochs", "0"))
     two = torch.load(tmp_path / "run" / "backbone.pt", weights_only=True)
     one = torch.load(tmp_path / "one" / "backbone.pt", weights_only=True)
