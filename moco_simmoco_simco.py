@@ -221,17 +221,19 @@ def dual_temperature_loss(q, k, tau_alpha=0.1, tau_beta=1.0, queue=None):
 
 @torch.no_grad()
 def anchor_weight_stats(w_alpha, w_beta):
-    """Over the global batch: mean W(tau_alpha), mean W(tau_beta)
-    and the entropy of r_+ (DT Fig. 3).
+    """Over the global batch: mean W(tau_alpha), mean W(tau_beta),
+    the entropy H of r_+ and the share of anchors that carry the
+    pull, exp(H) / N in (0, 1] (DT Fig. 3).
 
     r_+^i = W_i / sum_j W_j is anchor i's share of the pull towards
     the positives, with the W the loss applies, W(tau_beta). Equal
-    weights give the maximum, log(number of anchors)."""
+    weights give the maximum, H = log N for N anchors: share 1."""
     w_alpha = common.gather(w_alpha)  # (N,) every rank's anchors
     w_beta = common.gather(w_beta)  # (N,)
     r_plus = w_beta / w_beta.sum()  # (N,)
     entropy = torch.special.entr(r_plus).sum()  # -sum r log r
-    return w_alpha.mean(), w_beta.mean(), entropy
+    share = entropy.exp() / len(r_plus)
+    return w_alpha.mean(), w_beta.mean(), entropy, share
 
 
 # ------------------------------ training step
@@ -370,12 +372,13 @@ def main(argv=None):
             for group in optimizer.param_groups:
                 group["lr"] = lr
             views = augment(images, run.draws)
-            loss, (w_alpha, w_beta, entropy) = train_step(
+            loss, (w_alpha, w_beta, entropy, share) = train_step(
                 net, optimizer, views, args, ctx, key_encoder, queues)
             run.train_probes(labels, lr / peak_lr)
             # the anchors' weights, how unequal (DT Eq. 4, Fig. 3)
             run.meter.update(lr, loss=loss, w_alpha=w_alpha,
-                             w_beta=w_beta, r_plus_entropy=entropy)
+                             w_beta=w_beta, r_plus_entropy=entropy,
+                             r_plus_share=share)
 
         # own: the epoch's means, the kNN monitor, the log
         run.end_epoch(run.meter.summary())

@@ -156,22 +156,27 @@ def test_anchor_weight_keeps_its_precision_in_float32_when_p_plus_is_near_one():
 
 
 def test_r_plus_entropy_is_the_entropy_of_the_relative_anchor_weights():
-    """H(r_+) = -sum_i r_i log r_i with r_i = W_i(tau_beta) / sum_j W_j(tau_beta) (DT Fig. 3).
+    """H(r_+) = -sum_i r_i log r_i with r_i = W_i(tau_beta) / sum_j W_j(tau_beta) (DT Fig. 3), and
+    the share of the N anchors that carry the pull, exp(H) / N.
 
     W(tau_beta) = (0.1, 0.1, 0.2): r = (1/4, 1/4, 1/2), H = 2 (1/4) log 4 + (1/2) log 2 = 1.5 log 2.
     W(tau_alpha) is equal for all three anchors (H would be log 3): the entropy uses tau_beta's."""
     w_alpha = torch.tensor([0.3, 0.3, 0.3], dtype=torch.float64)
     w_beta = torch.tensor([0.1, 0.1, 0.2], dtype=torch.float64)
-    mean_alpha, mean_beta, entropy = mss.anchor_weight_stats(w_alpha, w_beta)
+    mean_alpha, mean_beta, entropy, share = mss.anchor_weight_stats(w_alpha, w_beta)
     torch.testing.assert_close(entropy, 1.5 * torch.tensor(2.0, dtype=torch.float64).log(),
                                rtol=1e-5, atol=1e-15)
     torch.testing.assert_close(mean_alpha, torch.tensor(0.3, dtype=torch.float64), rtol=1e-5,
                                atol=1e-15)
     torch.testing.assert_close(mean_beta, torch.tensor(0.4 / 3, dtype=torch.float64), rtol=1e-5,
                                atol=1e-15)
+    # the share of anchors that carry the pull: exp(H) / N = 2 ** 1.5 / 3
+    torch.testing.assert_close(share, torch.tensor(2 ** 1.5 / 3, dtype=torch.float64),
+                               rtol=1e-12, atol=0)
     flat = torch.full((7,), 0.6, dtype=torch.float64)  # equal weights: the maximum, log 7
-    torch.testing.assert_close(mss.anchor_weight_stats(flat, flat)[2],
-                               torch.tensor(7.0).log().double(), rtol=1e-5, atol=1e-8)
+    _, _, entropy, share = mss.anchor_weight_stats(flat, flat)
+    torch.testing.assert_close(entropy, torch.tensor(7.0).log().double(), rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(share, torch.tensor(1.0, dtype=torch.float64), rtol=1e-12, atol=0)
 
 
 # ----------------------------------------------------------------- queue and momentum encoder
