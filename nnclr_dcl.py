@@ -216,7 +216,8 @@ def nnclr_loss(z1, z2, p1, p2, support_set, temperature=0.1,
     return losses if reduction == "none" else losses.mean()
 
 
-# w is a constant in backward (sg), as in the paper.
+# w is a constant in backward, as lightly's
+# negative_mises_fisher_weights makes it (the paper does not say).
 @torch.no_grad()
 def dclw_weights(pos_similarity, sigma=0.5):
     """DCLW's weight of each positive pair, the paper's

@@ -144,9 +144,11 @@ def contrastive_loss(z1, z2, temperature=0.1, loss="infonce",
     return losses if reduction == "none" else losses.mean()
 
 
-# The paper's weight w is a constant in backward (sg): with
-# its gradient, the easiest pair's term would push its two
-# views apart (a test in tests/test_simclr_dcl.py).
+# w is a constant in backward, as lightly's
+# negative_mises_fisher_weights makes it (lightly/loss/
+# dcl_loss.py; the paper does not say): with its gradient, the
+# easiest pair's term would push its two views apart (a test in
+# tests/test_simclr_dcl.py).
 @torch.no_grad()
 def dclw_weights(pos_similarity, sigma=0.5):
     """DCLW's weight of each positive pair, the paper's negative

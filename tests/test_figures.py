@@ -119,7 +119,7 @@ def test_dt_fig3_entropy_of_r_plus_rises_with_the_dictionary_size(runs, tmp_path
     assert list(entropy) == [str(tau) for tau in figures.TAUS]
     assert len(weights) == len(stats) == len(figures.TAUS) * len(sizes)
     assert [len(w) for _, (w, _) in weights] == [128] * len(weights)
-    recomputed = [h.item() / math.log(128) for _, _, h in stats]
+    recomputed = [h.item() / math.log(128) for _, _, h, _ in stats]
     assert [h for row in entropy.values() for h in row] == pytest.approx(recomputed, rel=1e-12)
     for row in entropy.values():
         assert all(0 < h <= 1 for h in row)
@@ -137,7 +137,7 @@ def test_dt_fig3_effective_anchors_on_a_linear_axis_from_0(runs, monkeypatch):
     assert ax.get_yscale() == "linear" and ax.get_xscale() == "log"
     assert ax.get_ylim()[0] == 0 and ax.get_ylim()[1] >= 128
     plotted = [y for line in ax.lines for y in line.get_ydata()]
-    assert plotted == pytest.approx([math.exp(h.item()) for _, _, h in stats], rel=1e-9)
+    assert plotted == pytest.approx([math.exp(h.item()) for _, _, h, _ in stats], rel=1e-9)
     run = json.loads(json.dumps(saved))["mocov2"]
     assert run["anchors"] == 128
     entropy = [h for row in run["normalised_entropy"].values() for h in row]
