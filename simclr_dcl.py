@@ -13,6 +13,12 @@ DCLW also up-weights hard positive pairs.
     python simclr_dcl.py --dataset textures --width 8 \\
         --batch-size 32 --lr 0.3 --warmup-epochs 0 --epochs 3 \\
         --proj-hidden 256 --proj-dim 64  # CPU, no download
+
+A run writes its folder, --out (default: a new runs/simclr_dcl-
+<time>-<pid>): each epoch's line, the kNN monitor every 10
+epochs and checkpoint.pt; at the end backbone.pt and
+results.json. The same command with the same --out continues
+a killed run from its last epoch (common.Run).
 """
 import argparse
 import math

@@ -88,7 +88,7 @@ def quick_starts(request, tmp_path_factory):
 
     def run(job):
         method, epochs = job
-        out = root / f"{method}-{epochs}"
+        out = root / f"{method}-{'untrained' if epochs else 'trained'}"
         argv = [*QUICK_START[method], "--linear-epochs", "0", "--workers", "0",
                 "--device", "cpu", "--out", out, *epochs]
         process = run_script(f"{method}.py", argv)
