@@ -1152,12 +1152,7 @@ momentum_value = checked(float, lambda m: 0 <= m < 1, "in [0, 1)")
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter,
                     argparse.ArgumentDefaultsHelpFormatter):
-    """--help: the usage docstring's layout, each default once."""
-
-    def _get_help_string(self, action):
-        if "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
+    """--help: the usage docstring's layout, each option's default."""
 
 
 def add_common_args(parser):

@@ -53,7 +53,7 @@ def parse_args(argv=None):
     # (solo/losses/moco.py).
     add("--tau-beta", type=common.positive_float, default=None,
         help="temperature of the inter-anchor (scalar) part "
-             "(default 1.0; mocov2: = tau-alpha)")
+             "(None: 1.0; mocov2: = tau-alpha)")
     # Official solo/methods/mocov2.py, moco.sh; the DT paper.
     add("--queue-size", type=common.positive_int, default=65536,
         help="mocov2: keys K in each queue")
@@ -336,8 +336,7 @@ def main(argv=None):
     backbone = model.backbone
     net = common.distribute(model, ctx)  # `model` stays bare
     key_encoder = None
-    if args.method != "simco":
-        # Global BatchNorm, so no shuffle-BN.
+    if args.method != "simco":  # global BatchNorm: no shuffle-BN
         key_encoder = momentum_encoder(model, ctx)
     queues = None
     if args.method == "mocov2":
