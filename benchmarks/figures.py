@@ -126,8 +126,20 @@ def doubling_axis(ax, sizes, xlabel):
 
 
 def caption(fig, lines):
-    """The measured values, under the panels."""
-    fig.supxlabel("\n".join(lines), fontsize=9)
+    """The measured values, under the panels: a line wider than
+    the figure broken after a semicolon."""
+    width = int(fig.get_figwidth() * 13)  # characters at size 9
+    broken = []
+    for line in lines:
+        parts = line.split("; ")
+        broken.append(parts[0])
+        for part in parts[1:]:
+            if len(broken[-1]) + len(part) + 2 > width:
+                broken[-1] += ";"
+                broken.append(part)
+            else:
+                broken[-1] += "; " + part
+    fig.supxlabel("\n".join(broken), fontsize=9)
 
 
 def epochs_axis(ax, title, ylabel=None):
