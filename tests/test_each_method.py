@@ -24,8 +24,9 @@ from helpers import (QUICK_START, check_run_folder, modules_of, run_main, run_sc
 from test_preemption import errors, same_run, signalled
 
 METHODS = sorted(QUICK_START)
-# kNN top-1 points over the untrained network. Measured for the quick starts' seed 0, at one
-# thread: the smallest gain 23.6 (benchmarks/README.md, "How the README's numbers were measured")
+# kNN top-1 points over the untrained network. Measured for the quick starts' seed 0 at one thread
+# (2026-12-06): gains of 35.4 (NNCLR) to 48.8 (SimCLR); over the README's seeds and thread counts
+# every run gained 20 or more (benchmarks/README.md, "How the README's numbers were measured")
 MARGIN = 10.0
 
 
