@@ -818,8 +818,9 @@ def top1(classify, features, labels):
 
 def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs,
                  lr, batch, seed=0):
-    """`fixed`: the kNN bank's features standardised, a linear
-    classifier from zero, AdamW, cosine -> test top-1 %."""
+    """`fixed`: the kNN bank's features (unit length, float16)
+    standardised, a linear classifier from zero, AdamW, cosine ->
+    test top-1 %."""
     rows = (train_y >= 0).nonzero()[:, 0]  # labelled
     # chunks (train_f[rows] copies the bank); float64: E[f^2] -
     # E[f]^2 cancels
@@ -1105,9 +1106,12 @@ def run(main):
         main()
     except KeyboardInterrupt as error:
         name = error.args[0] if error.args else "SIGINT"
+        kept = "no checkpoint was written yet"
+        if os.path.exists(os.path.join(RUN["out"] or "", "checkpoint.pt")):
+            kept = (f"the last checkpoint is kept: continue with --resume "
+                    f"{RUN['out']}")
         if rank == 0:
-            print(f"stopped ({name}); the last checkpoint is kept: "
-                  f"continue with --resume {RUN['out']}", file=sys.stderr)
+            print(f"stopped ({name}); {kept}", file=sys.stderr)
         sys.exit(128 + signal.Signals[name])
     except UserError as error:
         # A DataLoader worker's ends its traceback.

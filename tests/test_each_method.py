@@ -136,7 +136,7 @@ FROM_PYTHON_DATA = {"lift_fresh", "lift_fresh_copy"}
 
 @pytest.mark.parametrize("method", METHODS)
 def test_a_step_of_main_builds_no_tensor_from_python_data(method, tmp_path):
-    """DESIGN section 3: on a GPU each tensor built from Python data is a blocking host-to-device
+    """On a GPU each tensor built from Python data is a blocking host-to-device
     copy, and with 8 GPUs every host waits for the slowest. Counted from the end of main()'s
     first train_step to the end of its second: the probes and the meter of step 1, the schedule,
     the augmentation, GSG's pairs and train_step (loss, optimiser, EMA, queue, support set) of

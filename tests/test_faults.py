@@ -213,3 +213,16 @@ def test_a_bug_keeps_its_traceback():
 
     with pytest.raises(OSError, match=re.escape("a bug's own error")):
         common.run(main)
+
+
+def test_a_run_stopped_before_its_first_checkpoint_says_so(tiny_folder, tmp_path, capsys):
+    """Ctrl-C in epoch 1: no checkpoint exists, and the line says so (not 'the last checkpoint is
+    kept'); stopped in epoch 2, the line names --resume OUT."""
+    out = tmp_path / "run"
+    argv = smoke_args(tiny_folder, out, "--epochs", "2", *SMALL)
+    stop_in_epoch(1, argv)
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "stopped (SIGINT); no checkpoint was written yet")
+    stop_in_epoch(2, argv)
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"stopped (SIGINT); the last checkpoint is kept: continue with --resume {out}")

@@ -1,5 +1,5 @@
 """common.GlobalBatchNorm, every BatchNorm with more than one
-process (DESIGN section 3): at 2 gloo processes it is one process's
+process: at 2 gloo processes it is one process's
 BatchNorm on the global batch, as today's readable math below was;
 it costs what a BatchNorm costs; under bf16 autocast it returns
 what nn's returns, so bf16 at 2 processes is bf16 at one.

@@ -477,3 +477,11 @@ def test_script_runs_under_torchrun(tiny_folder, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     check_mss_run_folder(tmp_path / "run", "mocov2", world=2)
 
+
+def test_mocov2_plus_resumes_exactly_with_two_queues_that_wrap(tiny_folder, tmp_path):
+    """MoCo v2+'s two queues of 40 keys (they wrap within a batch of 16), its key encoder and
+    tau_beta 0.5: stopped in epoch 2 and resumed, every tensor and loss as uninterrupted."""
+    from test_runs import resume_is_exact
+
+    resume_is_exact("moco_simmoco_simco", ["--method", "mocov2", "--symmetric", "--queue-size",
+                                           "40", "--tau-beta", "0.5"], tiny_folder, tmp_path)

@@ -456,3 +456,13 @@ def test_smoke_python_and_torchrun_agree(tiny_folder, tmp_path):
     s2 = torch.load(tmp_path / "two" / "checkpoint.pt")["support_set"]
     assert s1["ptr"] == s2["ptr"] == 32 and torch.equal(s1["labels"], s2["labels"])
     assert torch.allclose(s1["rows"], s2["rows"], atol=1e-3)
+
+
+def test_a_resumed_run_keeps_its_support_set_exactly(tiny_folder, tmp_path):
+    """A support set of 40 rows (it wraps within the epoch): stopped in epoch 2 and resumed,
+    every tensor (the support set's rows, labels and pointer among them) and loss as
+    uninterrupted."""
+    from test_runs import resume_is_exact
+
+    resume_is_exact("nnclr_dcl", ["--support-size", "40", "--proj-hidden", "32", "--proj-dim",
+                                  "16", "--pred-hidden", "32"], tiny_folder, tmp_path)

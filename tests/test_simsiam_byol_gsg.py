@@ -435,3 +435,15 @@ def test_smoke_guided_run_as_python_and_torchrun(tiny_folder, tmp_path, method, 
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     check_run_folder(out, method)
     assert " knn_k1_top1 " in done.stdout + done.stderr
+
+
+def test_byol_with_random_stopgrad_and_a_cosine_ema_resumes_exactly(tiny_folder, tmp_path):
+    """BYOL's target, its cosine momentum schedule and GSG's random cases and pairings (drawn
+    from the epoch's generator): stopped in epoch 2 and resumed, every tensor and loss as
+    uninterrupted."""
+    from test_runs import resume_is_exact
+
+    resume_is_exact("simsiam_byol_gsg", ["--method", "byol", "--stopgrad", "random",
+                                         "--ema-schedule", "cosine", "--proj-hidden", "32",
+                                         "--proj-dim", "32", "--pred-hidden", "8"],
+                    tiny_folder, tmp_path)

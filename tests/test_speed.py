@@ -122,3 +122,23 @@ def test_a_row_says_in_a_line_what_it_found_wrong():
     lines = speed.warnings_of(row)
     assert len(lines) == 3 and all(line.startswith("warning: m: ") for line in lines)
     assert speed.warnings_of({**row, "syncs": 0.0, "regraphs": 0, "loop": 200.0}) == []
+
+
+def test_a_script_that_cannot_be_measured_is_one_line_and_no_row(tmp_path, monkeypatch):
+    """A method file whose main() speed.py cannot run (here: one that raises) gets one line
+    saying so, and no row in any table; the others are measured."""
+    real = speed.method_row
+
+    def method_row(method, *args):
+        if method == METHODS[0]:
+            raise TypeError("train_step() missing 1 required positional argument")
+        return real(method, *args)
+
+    monkeypatch.setattr(speed, "method_row", method_row)
+    monkeypatch.setitem(speed.PRESETS, "cpu", TINY)
+    out = tmp_path / "speed.md"
+    speed.main(["--device", "cpu", "--methods", *METHODS[:2], "--out", str(out)])
+    text = out.read_text()
+    assert f"{METHODS[0]}: not measured, TypeError: train_step() missing" in text
+    rows = [line for line in text.splitlines() if line.startswith(f"| {METHODS[0]} ")]
+    assert rows == [] and text.count(f"| {METHODS[1]} ") == 3
