@@ -42,7 +42,8 @@ def quick_start():
 QUICK_START = quick_start()
 # The script the harness's tests run (the run folder, faults, data): the quick start's first
 HARNESS = next(iter(QUICK_START))
-# A method's quick start made tiny for a test: 2 epochs of 4 steps, a narrow network
+# A method's quick start made tiny for a test: 2 epochs of 4 steps, a narrow network. Its
+# --proj-hidden and --proj-dim are the README's T's, which every quick-start line passes.
 TINY = ["--limit-train", "64", "--batch-size", "16", "--width", "4", "--proj-hidden", "16",
         "--proj-dim", "8", "--epochs", "2", "--warmup-epochs", "1", "--knn-k", "10",
         "--linear-epochs", "0", "--device", "cpu", "--workers", "0"]
