@@ -1107,7 +1107,8 @@ def run(main):
     except KeyboardInterrupt as error:
         name = error.args[0] if error.args else "SIGINT"
         kept = "no checkpoint was written yet"
-        if os.path.exists(os.path.join(RUN["out"] or "", "checkpoint.pt")):
+        saved = os.path.join(RUN["out"] or "", "checkpoint.pt")
+        if RUN["out"] and os.path.exists(saved):
             kept = (f"the last checkpoint is kept: continue with --resume "
                     f"{RUN['out']}")
         if rank == 0:
