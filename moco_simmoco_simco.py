@@ -222,18 +222,29 @@ def dual_temperature_loss(q, k, tau_alpha=0.1, tau_beta=1.0, queue=None):
 @torch.no_grad()
 def anchor_weight_stats(w_alpha, w_beta):
     """Over the global batch: mean W(tau_alpha), mean W(tau_beta),
-    the entropy H of r_+ and the share of anchors that carry the
-    pull, exp(H) / N in (0, 1] (DT Fig. 3).
+    the entropy H of r_+ (DT Fig. 3) and mean W log W (W at
+    tau_beta), which epoch_share needs.
 
     r_+^i = W_i / sum_j W_j is anchor i's share of the pull towards
     the positives, with the W the loss applies, W(tau_beta). Equal
-    weights give the maximum, H = log N for N anchors: share 1."""
+    weights give the maximum, H = log N for N anchors."""
     w_alpha = common.gather(w_alpha)  # (N,) every rank's anchors
     w_beta = common.gather(w_beta)  # (N,)
     r_plus = w_beta / w_beta.sum()  # (N,)
     entropy = torch.special.entr(r_plus).sum()  # -sum r log r
-    share = entropy.exp() / len(r_plus)
-    return w_alpha.mean(), w_beta.mean(), entropy, share
+    w_log_w = torch.special.xlogy(w_beta, w_beta).mean()
+    return w_alpha.mean(), w_beta.mean(), entropy, w_log_w
+
+
+def epoch_share(w_beta, w_log_w):
+    """The share of an epoch's n anchors that carried its pull,
+    exp(H) / n in (0, 1], with r_+ taken over all of them, from the
+    epoch's means of W and W log W (equal steps): H = log(n mean W)
+    - mean(W log W) / mean W. Each step's loss is a mean over as
+    many anchors, so anchor i's share of the epoch's pull is r_+^i.
+    1 when all pull alike; a step of few anchors can look even
+    while the epoch's pull sits on few images."""
+    return w_beta * math.exp(-w_log_w / w_beta)
 
 
 # ------------------------------ training step
@@ -371,16 +382,21 @@ def main(argv=None):
             for group in optimizer.param_groups:
                 group["lr"] = lr
             views = augment(images, run.draws)
-            loss, (w_alpha, w_beta, entropy, share) = train_step(
+            loss, (w_alpha, w_beta, entropy, w_log_w) = train_step(
                 net, optimizer, views, args, ctx, key_encoder, queues)
             run.train_probes(labels, lr / peak_lr)
-            # the anchors' weights, how unequal (DT Eq. 4, Fig. 3)
+            # the anchors' weights, how unequal (DT Eq. 4, Fig. 3);
+            # the mean W log W becomes the epoch's share below
             run.meter.update(lr, loss=loss, w_alpha=w_alpha,
                              w_beta=w_beta, r_plus_entropy=entropy,
-                             r_plus_share=share)
+                             r_plus_share=w_log_w)
 
-        # own: the epoch's means, the kNN monitor, the log
-        run.end_epoch(run.meter.summary())
+        # own: the epoch's means, the share of its anchors that
+        # carried its pull, the kNN monitor, the log
+        record = run.meter.summary()
+        record["r_plus_share"] = epoch_share(record["w_beta"],
+                                             record["r_plus_share"])
+        run.end_epoch(record)
 
     # shared: the final evaluation, backbone.pt, results.json
     run.finish()

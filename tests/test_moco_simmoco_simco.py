@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 import common
 import moco_simmoco_simco as mss
-from helpers import check_run_folder, float64, run_distributed, run_script, smoke_args
+from helpers import (check_run_folder, float64, run_distributed, run_main, run_script,
+                     smoke_args, tiny)
 
 TAU = 0.1
 
@@ -157,13 +158,13 @@ def test_anchor_weight_keeps_its_precision_in_float32_when_p_plus_is_near_one():
 
 def test_r_plus_entropy_is_the_entropy_of_the_relative_anchor_weights():
     """H(r_+) = -sum_i r_i log r_i with r_i = W_i(tau_beta) / sum_j W_j(tau_beta) (DT Fig. 3), and
-    the share of the N anchors that carry the pull, exp(H) / N.
+    the share of the N anchors that carry the pull, exp(H) / N, from the means of W and W log W.
 
     W(tau_beta) = (0.1, 0.1, 0.2): r = (1/4, 1/4, 1/2), H = 2 (1/4) log 4 + (1/2) log 2 = 1.5 log 2.
     W(tau_alpha) is equal for all three anchors (H would be log 3): the entropy uses tau_beta's."""
     w_alpha = torch.tensor([0.3, 0.3, 0.3], dtype=torch.float64)
     w_beta = torch.tensor([0.1, 0.1, 0.2], dtype=torch.float64)
-    mean_alpha, mean_beta, entropy, share = mss.anchor_weight_stats(w_alpha, w_beta)
+    mean_alpha, mean_beta, entropy, w_log_w = mss.anchor_weight_stats(w_alpha, w_beta)
     torch.testing.assert_close(entropy, 1.5 * torch.tensor(2.0, dtype=torch.float64).log(),
                                rtol=1e-5, atol=1e-15)
     torch.testing.assert_close(mean_alpha, torch.tensor(0.3, dtype=torch.float64), rtol=1e-5,
@@ -171,12 +172,41 @@ def test_r_plus_entropy_is_the_entropy_of_the_relative_anchor_weights():
     torch.testing.assert_close(mean_beta, torch.tensor(0.4 / 3, dtype=torch.float64), rtol=1e-5,
                                atol=1e-15)
     # the share of anchors that carry the pull: exp(H) / N = 2 ** 1.5 / 3
-    torch.testing.assert_close(share, torch.tensor(2 ** 1.5 / 3, dtype=torch.float64),
-                               rtol=1e-12, atol=0)
+    share = mss.epoch_share(mean_beta.item(), w_log_w.item())
+    assert share == pytest.approx(2 ** 1.5 / 3, rel=1e-12)
     flat = torch.full((7,), 0.6, dtype=torch.float64)  # equal weights: the maximum, log 7
-    _, _, entropy, share = mss.anchor_weight_stats(flat, flat)
+    _, mean_beta, entropy, w_log_w = mss.anchor_weight_stats(flat, flat)
     torch.testing.assert_close(entropy, torch.tensor(7.0).log().double(), rtol=1e-5, atol=1e-8)
-    torch.testing.assert_close(share, torch.tensor(1.0, dtype=torch.float64), rtol=1e-12, atol=0)
+    assert mss.epoch_share(mean_beta.item(), w_log_w.item()) == pytest.approx(1, rel=1e-12)
+
+
+def test_the_logged_r_plus_share_is_over_every_anchor_of_the_epoch(tmp_path):
+    """An epoch's r_plus_share is exp(H) / n with r_+ over all n anchors its steps trained, as
+    computed here from each step's W(tau_beta): one key an anchor (batch 2) at tau_beta 0.05, where
+    it is not the mean of each step's share over its 4 anchors."""
+    weights, real = [], mss.anchor_weight_stats
+
+    def recorded(w_alpha, w_beta):
+        weights.append(w_beta.double())
+        return real(w_alpha, w_beta)
+
+    argv = [*tiny("moco_simmoco_simco", "--batch-size", 2, "--tau-beta", 0.05, "--limit-train",
+                  32, "--no-online-probe", "--out", tmp_path / "run")]
+    mss.anchor_weight_stats = recorded
+    try:
+        run_main(mss, argv)
+    finally:
+        mss.anchor_weight_stats = real
+    _, lines, _ = check_run_folder(tmp_path / "run")
+    assert len(weights) == 2 * 16 and {len(w) for w in weights} == {4}  # 2 epochs of 16 steps
+    for epoch, line in enumerate(lines):
+        steps = weights[16 * epoch:16 * (epoch + 1)]
+        w = torch.cat(steps)  # every anchor of the epoch
+        r = w / w.sum()
+        share = torch.special.entr(r).sum().exp().item() / len(w)
+        assert line["r_plus_share"] == pytest.approx(share, rel=1e-5)
+        each_step = [torch.special.entr(s / s.sum()).sum().exp().item() / 4 for s in steps]
+        assert abs(sum(each_step) / 16 - share) > 1e-3
 
 
 # ----------------------------------------------------------------- queue and momentum encoder
@@ -424,6 +454,7 @@ def check_mss_run_folder(out, method, world=1):
     for line in lines:  # W = 1 - p_+ in (0, 1); H(r_+) at most log(anchors of one step)
         assert 0 < line["w_alpha"] < 1 and 0 < line["w_beta"] < 1
         assert 0 < line["r_plus_entropy"] <= math.log(anchors) + 1e-6
+        assert 0 < line["r_plus_share"] <= 1 + 1e-6
     checkpoint = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)
     assert ("queues" in checkpoint) == (method == "mocov2")
     if method == "mocov2":  # MoCo v2+ checkpoints both queues
