@@ -148,12 +148,9 @@ class KeyQueue(nn.Module):
     @torch.no_grad()
     def push(self, rows):
         """rows (N, D), gathered from every rank, replace the N
-        oldest, wrapping around the end: none is dropped."""
-        n = len(rows)
-        size = len(self.rows)
-        if n > size:
-            raise ValueError(f"{type(self).__name__} of {size} rows "
-                             f"cannot take a batch of {n}")
+        oldest, wrapping around the end: none is dropped (N <= K,
+        which parse_args checks)."""
+        n, size = len(rows), len(self.rows)
         offsets = torch.arange(n, device=self.rows.device)
         index = (self.ptr + offsets) % size  # (N,)
         self.rows.index_copy_(0, index, rows.to(self.rows.dtype))
@@ -222,8 +219,8 @@ def dual_temperature_loss(q, k, tau_alpha=0.1, tau_beta=1.0, queue=None):
 @torch.no_grad()
 def anchor_weight_stats(w_alpha, w_beta):
     """Over the global batch: mean W(tau_alpha), mean W(tau_beta),
-    the entropy H of r_+ (DT Fig. 3) and mean W log W (W at
-    tau_beta), which epoch_share needs.
+    the entropy H of r_+ (DT Fig. 3), mean W log W (for
+    epoch_share).
 
     r_+^i = W_i / sum_j W_j is anchor i's share of the pull towards
     the positives, with the W the loss applies, W(tau_beta). Equal
@@ -236,15 +233,14 @@ def anchor_weight_stats(w_alpha, w_beta):
     return w_alpha.mean(), w_beta.mean(), entropy, w_log_w
 
 
-def epoch_share(w_beta, w_log_w):
-    """The share of an epoch's n anchors that carried its pull,
-    exp(H) / n in (0, 1], with r_+ taken over all of them, from the
-    epoch's means of W and W log W (equal steps): H = log(n mean W)
-    - mean(W log W) / mean W. Each step's loss is a mean over as
-    many anchors, so anchor i's share of the epoch's pull is r_+^i.
-    1 when all pull alike; a step of few anchors can look even
-    while the epoch's pull sits on few images."""
-    return w_beta * math.exp(-w_log_w / w_beta)
+def epoch_share(record):
+    """An epoch's record, its r_plus_share (the mean W log W) made
+    exp(H) / n, r_+ over all n anchors of the epoch: the share that
+    carried its pull (each step's loss a mean over as many).
+    H = log(n mean W) - mean(W log W) / mean W, W at tau_beta."""
+    w, w_log_w = record["w_beta"], record["r_plus_share"]
+    record["r_plus_share"] = w * math.exp(-w_log_w / w)
+    return record
 
 
 # ------------------------------ training step
@@ -319,12 +315,10 @@ def train_step(net, optimizer, views, args, ctx, key_encoder=None,
 
 def recipes(args):
     """MoCo v2's CIFAR augmentation for both views: crop, colour
-    jitter, grayscale, flip; no blur. The DT paper ("Training")
-    lists jitter, flip and grayscale; the official scripts
-    (CIFAR-100 only) set --gaussian_prob 0.0 0.0, kept on STL-10
-    (this project's choice). Jitter 0.4, 0.4, 0.4, 0.1: the
-    scripts'; p 0.8, 0.2, 0.5: Recipe's, from
-    solo/utils/pretrain_dataloader.py."""
+    jitter (0.4, 0.4, 0.4, 0.1), grayscale, flip at Recipe's p
+    (solo/utils/pretrain_dataloader.py); no blur: the official
+    scripts' --gaussian_prob 0.0 0.0 (CIFAR-100; on STL-10 too:
+    this project's choice)."""
     crop_scale = tuple(args.crop_scale)
     return [common.Recipe(crop_scale=crop_scale, blur_p=0.0)] * 2
 
@@ -386,17 +380,13 @@ def main(argv=None):
                 net, optimizer, views, args, ctx, key_encoder, queues)
             run.train_probes(labels, lr / peak_lr)
             # the anchors' weights, how unequal (DT Eq. 4, Fig. 3);
-            # the mean W log W becomes the epoch's share below
+            # r_plus_share: mean W log W, made a share at the end
             run.meter.update(lr, loss=loss, w_alpha=w_alpha,
                              w_beta=w_beta, r_plus_entropy=entropy,
                              r_plus_share=w_log_w)
 
-        # own: the epoch's means, the share of its anchors that
-        # carried its pull, the kNN monitor, the log
-        record = run.meter.summary()
-        record["r_plus_share"] = epoch_share(record["w_beta"],
-                                             record["r_plus_share"])
-        run.end_epoch(record)
+        # own: the epoch's means, the kNN monitor, the log
+        run.end_epoch(epoch_share(run.meter.summary()))
 
     # shared: the final evaluation, backbone.pt, results.json
     run.finish()

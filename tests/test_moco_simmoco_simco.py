@@ -172,12 +172,13 @@ def test_r_plus_entropy_is_the_entropy_of_the_relative_anchor_weights():
     torch.testing.assert_close(mean_beta, torch.tensor(0.4 / 3, dtype=torch.float64), rtol=1e-5,
                                atol=1e-15)
     # the share of anchors that carry the pull: exp(H) / N = 2 ** 1.5 / 3
-    share = mss.epoch_share(mean_beta.item(), w_log_w.item())
-    assert share == pytest.approx(2 ** 1.5 / 3, rel=1e-12)
+    record = mss.epoch_share(dict(w_beta=mean_beta.item(), r_plus_share=w_log_w.item()))
+    assert record["r_plus_share"] == pytest.approx(2 ** 1.5 / 3, rel=1e-12)
     flat = torch.full((7,), 0.6, dtype=torch.float64)  # equal weights: the maximum, log 7
     _, mean_beta, entropy, w_log_w = mss.anchor_weight_stats(flat, flat)
     torch.testing.assert_close(entropy, torch.tensor(7.0).log().double(), rtol=1e-5, atol=1e-8)
-    assert mss.epoch_share(mean_beta.item(), w_log_w.item()) == pytest.approx(1, rel=1e-12)
+    record = mss.epoch_share(dict(w_beta=mean_beta.item(), r_plus_share=w_log_w.item()))
+    assert record["r_plus_share"] == pytest.approx(1, rel=1e-12)
 
 
 def test_the_logged_r_plus_share_is_over_every_anchor_of_the_epoch(tmp_path):
