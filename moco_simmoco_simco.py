@@ -148,9 +148,12 @@ class KeyQueue(nn.Module):
     @torch.no_grad()
     def push(self, rows):
         """rows (N, D), gathered from every rank, replace the N
-        oldest, wrapping around the end: none is dropped (N <= K,
-        which parse_args checks)."""
-        n, size = len(rows), len(self.rows)
+        oldest, wrapping around the end: none is dropped."""
+        n = len(rows)
+        size = len(self.rows)
+        if n > size:
+            raise ValueError(f"{type(self).__name__} of {size} rows "
+                             f"cannot take a batch of {n}")
         offsets = torch.arange(n, device=self.rows.device)
         index = (self.ptr + offsets) % size  # (N,)
         self.rows.index_copy_(0, index, rows.to(self.rows.dtype))
@@ -234,12 +237,20 @@ def anchor_weight_stats(w_alpha, w_beta):
 
 
 def epoch_share(record):
-    """An epoch's record, its r_plus_share (the mean W log W) made
-    exp(H) / n, r_+ over all n anchors of the epoch: the share that
-    carried its pull (each step's loss a mean over as many).
-    H = log(n mean W) - mean(W log W) / mean W, W at tau_beta."""
-    w, w_log_w = record["w_beta"], record["r_plus_share"]
-    record["r_plus_share"] = w * math.exp(-w_log_w / w)
+    """An epoch's record, with r_plus_share in place of w_log_w.
+
+    r_plus_share is exp(H) / n, the share of the epoch's n anchors
+    that carried its pull, where H is the entropy of r_+ taken over
+    all n of them (each step's loss is a mean over as many anchors,
+    so anchor i's share of the epoch's pull is W_i / sum_j W_j).
+    From the epoch's means of W and W log W, W at tau_beta:
+        H = log(n mean W) - mean(W log W) / mean W
+    """
+    w, w_log_w = record["w_beta"], record.pop("w_log_w")
+    share = math.nan  # no anchor pulls: no share
+    if w > 0:
+        share = w * math.exp(-w_log_w / w)
+    record["r_plus_share"] = share
     return record
 
 
@@ -315,10 +326,12 @@ def train_step(net, optimizer, views, args, ctx, key_encoder=None,
 
 def recipes(args):
     """MoCo v2's CIFAR augmentation for both views: crop, colour
-    jitter (0.4, 0.4, 0.4, 0.1), grayscale, flip at Recipe's p
-    (solo/utils/pretrain_dataloader.py); no blur: the official
-    scripts' --gaussian_prob 0.0 0.0 (CIFAR-100; on STL-10 too:
-    this project's choice)."""
+    jitter, grayscale, flip; no blur. The DT paper ("Training")
+    lists jitter, flip and grayscale; the official scripts
+    (CIFAR-100 only) set --gaussian_prob 0.0 0.0, kept on STL-10
+    (this project's choice). Jitter 0.4, 0.4, 0.4, 0.1: the
+    scripts'; p 0.8, 0.2, 0.5: Recipe's, from
+    solo/utils/pretrain_dataloader.py."""
     crop_scale = tuple(args.crop_scale)
     return [common.Recipe(crop_scale=crop_scale, blur_p=0.0)] * 2
 
@@ -379,13 +392,13 @@ def main(argv=None):
             loss, (w_alpha, w_beta, entropy, w_log_w) = train_step(
                 net, optimizer, views, args, ctx, key_encoder, queues)
             run.train_probes(labels, lr / peak_lr)
-            # the anchors' weights, how unequal (DT Eq. 4, Fig. 3);
-            # r_plus_share: mean W log W, made a share at the end
+            # the anchors' weights, how unequal (DT Eq. 4, Fig. 3)
             run.meter.update(lr, loss=loss, w_alpha=w_alpha,
                              w_beta=w_beta, r_plus_entropy=entropy,
-                             r_plus_share=w_log_w)
+                             w_log_w=w_log_w)
 
-        # own: the epoch's means, the kNN monitor, the log
+        # own: the epoch's means and share of the pull, the kNN
+        # monitor, the log
         run.end_epoch(epoch_share(run.meter.summary()))
 
     # shared: the final evaluation, backbone.pt, results.json

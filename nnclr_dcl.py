@@ -15,7 +15,7 @@ hard positive pairs.
     torchrun --nproc_per_node=8 nnclr_dcl.py --loss dcl
     python nnclr_dcl.py --dataset textures --width 8 --epochs 3 \\
         --batch-size 32 --lr 0.3 --warmup-epochs 0 --support-size 512 \\
-        --optimizer sgd --proj-hidden 256 --proj-dim 64  # CPU
+        --optimizer sgd --proj-hidden 256 --proj-dim 64  # CPU, no download
 """
 import argparse
 import math

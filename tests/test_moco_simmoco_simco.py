@@ -172,42 +172,40 @@ def test_r_plus_entropy_is_the_entropy_of_the_relative_anchor_weights():
     torch.testing.assert_close(mean_beta, torch.tensor(0.4 / 3, dtype=torch.float64), rtol=1e-5,
                                atol=1e-15)
     # the share of anchors that carry the pull: exp(H) / N = 2 ** 1.5 / 3
-    record = mss.epoch_share(dict(w_beta=mean_beta.item(), r_plus_share=w_log_w.item()))
-    assert record["r_plus_share"] == pytest.approx(2 ** 1.5 / 3, rel=1e-12)
+    record = mss.epoch_share(dict(w_beta=mean_beta.item(), w_log_w=w_log_w.item()))
+    assert record == {"w_beta": pytest.approx(0.4 / 3), "r_plus_share": pytest.approx(2 ** 1.5 / 3)}
     flat = torch.full((7,), 0.6, dtype=torch.float64)  # equal weights: the maximum, log 7
     _, mean_beta, entropy, w_log_w = mss.anchor_weight_stats(flat, flat)
     torch.testing.assert_close(entropy, torch.tensor(7.0).log().double(), rtol=1e-5, atol=1e-8)
-    record = mss.epoch_share(dict(w_beta=mean_beta.item(), r_plus_share=w_log_w.item()))
+    record = mss.epoch_share(dict(w_beta=mean_beta.item(), w_log_w=w_log_w.item()))
     assert record["r_plus_share"] == pytest.approx(1, rel=1e-12)
 
 
-def test_the_logged_r_plus_share_is_over_every_anchor_of_the_epoch(tmp_path):
+def test_the_logged_r_plus_share_is_over_every_anchor_of_the_epoch(tmp_path, monkeypatch):
     """An epoch's r_plus_share is exp(H) / n with r_+ over all n anchors its steps trained, as
-    computed here from each step's W(tau_beta): one key an anchor (batch 2) at tau_beta 0.05, where
-    it is not the mean of each step's share over its 4 anchors."""
+    computed here from each step's W(tau_beta), and r_plus_entropy the mean of each step's H: one
+    key an anchor (batch 2) at tau_beta 0.05, where the share is not the mean of each step's."""
     weights, real = [], mss.anchor_weight_stats
 
     def recorded(w_alpha, w_beta):
         weights.append(w_beta.double())
         return real(w_alpha, w_beta)
 
-    argv = [*tiny("moco_simmoco_simco", "--batch-size", 2, "--tau-beta", 0.05, "--limit-train",
-                  32, "--no-online-probe", "--out", tmp_path / "run")]
-    mss.anchor_weight_stats = recorded
-    try:
-        run_main(mss, argv)
-    finally:
-        mss.anchor_weight_stats = real
+    monkeypatch.setattr(mss, "anchor_weight_stats", recorded)
+    run_main(mss, [*tiny("moco_simmoco_simco", "--batch-size", 2, "--tau-beta", 0.05,
+                         "--limit-train", 32, "--no-online-probe", "--out", tmp_path / "run")])
     _, lines, _ = check_run_folder(tmp_path / "run")
     assert len(weights) == 2 * 16 and {len(w) for w in weights} == {4}  # 2 epochs of 16 steps
     for epoch, line in enumerate(lines):
         steps = weights[16 * epoch:16 * (epoch + 1)]
         w = torch.cat(steps)  # every anchor of the epoch
-        r = w / w.sum()
-        share = torch.special.entr(r).sum().exp().item() / len(w)
+        share = torch.special.entr(w / w.sum()).sum().exp().item() / len(w)
         assert line["r_plus_share"] == pytest.approx(share, rel=1e-5)
-        each_step = [torch.special.entr(s / s.sum()).sum().exp().item() / 4 for s in steps]
-        assert abs(sum(each_step) / 16 - share) > 1e-3
+        each_step = [torch.special.entr(s / s.sum()).sum().item() for s in steps]  # H, nats
+        assert line["r_plus_entropy"] == pytest.approx(sum(each_step) / 16, rel=1e-5)
+        each_share = [math.exp(h) / 4 for h in each_step]
+        assert abs(sum(each_share) / 16 - share) > 1e-3
+        assert "w_log_w" not in line
 
 
 # ----------------------------------------------------------------- queue and momentum encoder
