@@ -1444,6 +1444,8 @@ class Run:
         try:
             saved = torch.load(self.path, map_location="cpu",
                                weights_only=True)
+            if not isinstance(saved, dict):
+                raise TypeError("not a dict")
             for name, state in self.states.items():
                 state.load_state_dict(saved[name])
         except Exception as error:  # truncated, not ours, changed code

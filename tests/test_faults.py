@@ -62,13 +62,16 @@ def test_resume_continues_a_run_with_its_own_command_line(stopped_run, tmp_path,
     lambda c: {"model": c["model"]},
     lambda c: {**c, "optimizer": {}},
 ], ids=["tensor", "model-only", "empty-optimizer"])
-def test_a_checkpoint_that_does_not_fit_is_one_error_line(stopped_run, tmp_path, capsys, change):
-    """A checkpoint.pt that loads but is not a dict with every state of this run."""
+def test_a_checkpoint_that_does_not_fit_is_one_error_line(stopped_run, tmp_path, capsys, change,
+                                                          recwarn):
+    """A checkpoint.pt that loads but is not a dict with every state of this run: one line, and no
+    warning from torch about how it was read."""
     run = copy_of(stopped_run, tmp_path)
     checkpoint = torch.load(run / "checkpoint.pt", weights_only=True)
     torch.save(change(checkpoint), run / "checkpoint.pt")
     fails_with(["--resume", str(run)], capsys,
                f"{run / 'checkpoint.pt'} does not fit this run or is unreadable (")
+    assert not [str(w.message) for w in recwarn]
 
 
 def full_disk(file, data):
