@@ -6,13 +6,14 @@ Part 1, what the methods build on (read it beside a method file):
   ResNet: torchvision's at any width, CIFAR stem up to 64 px
   augmentation: Recipe, Augment (per-sample draws), its ops
   data: load_data, the held sets, ImageFiles (streamed), batches
-  evaluation: kNN, the linear probes, OnlineProbe, evaluate
+  evaluation: kNN, the linear probes, evaluate
   optimisers: learning_rate, LARS
 Part 2, the run, which changes nothing a method computes:
-  errors and options: UserError, run, add_common_args, parse_args,
-    setup
-  the run folder: EpochMeter, Run (what the folder holds, how a run
-    continues, each epoch's end, the run's), write_atomic
+  errors and options: UserError, run, add_common_args, parse_args
+  this process and its run: setup, open_run (rank 0 decides what
+    --out holds, every rank follows)
+  the run folder: EpochMeter, Run (how a run continues, each
+    epoch's end, the run's), write_atomic
 """
 import argparse
 import contextlib
@@ -680,6 +681,18 @@ def epoch_generators(seed, epoch, device):
     return order, views
 
 
+def quiet_worker(worker_id):
+    """A DataLoader worker leaves SIGINT and SIGTERM to its process,
+    which ends it (a signal to the whole job: one line, no
+    worker's traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Its thread that hands tensors over reports through
+    # sys.excepthook; the job's end cutting a hand-over short is no
+    # error (the worker's own errors reach its process as data).
+    sys.excepthook = lambda *error: None
+
+
 def train_batches(data, batch_size, generator, ctx, workers=0):
     """One epoch's (images, labels) on the device, rank r's rows [r b,
     (r + 1) b) of each global batch."""
@@ -693,7 +706,7 @@ def train_batches(data, batch_size, generator, ctx, workers=0):
     data.train.seed = int(torch.randint(2 ** 62, (1,), generator=generator))
     subset = torch.utils.data.Subset(data.train, mine.flatten().tolist())
     loader = torch.utils.data.DataLoader(
-        subset, b, num_workers=workers,
+        subset, b, num_workers=workers, worker_init_fn=quiet_worker,
         pin_memory=ctx.device.type == "cuda")
     return ((views.to(ctx.device, non_blocking=True),
              labels.to(ctx.device, non_blocking=True))
@@ -719,7 +732,7 @@ def extract_features(backbone, split, data, ctx, workers=0, unit=True):
         batches = torch.utils.data.DataLoader(
             torch.utils.data.Subset(split, range(lo, hi)), 256,
             num_workers=workers, pin_memory=device.type == "cuda",
-            generator=torch.Generator())
+            worker_init_fn=quiet_worker, generator=torch.Generator())
     dtype = torch.float16 if unit else torch.float32
     features = torch.zeros(
         share, backbone.out_dim, device=device, dtype=dtype)
@@ -854,9 +867,10 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs,
     return top1(lambda f: classifier(standardised(f)), test_f, test_y)
 
 
-def linear_probe_augmented(backbone, data, ctx, protocol, epochs, lr,
-                           batch, seed=0, workers=0):
-    """An authors' probe on the frozen backbone, crop + flip views."""
+def linear_probe_augmented(backbone, data, ctx, protocol, test, epochs,
+                           lr, batch, seed=0, workers=0):
+    """An authors' probe on the frozen backbone, crop + flip views;
+    `test`: the test split's features and labels."""
     own = LINEAR_PROTOCOLS[protocol]
     if data.streaming:  # the workers crop and flip
         images = ImageFiles(data.eval_train.samples, data.image_size, crops=1)
@@ -896,93 +910,31 @@ def linear_probe_augmented(backbone, data, ctx, protocol, epochs, lr,
     train_linear(classifier, optimizer, batches, epochs, lr=lr_at,
                  world=ctx.world)
     backbone.train(was_training)
-    test_f, test_y = extract_features(
+    return top1(classifier, *test)
+
+
+@torch.no_grad()
+def split_features(backbone, data, ctx, workers=0):
+    """-> (train_f, train_y, test_f, test_y): the kNN bank (unit
+    float16) and the test split's features (float32), each image
+    passed through the backbone once."""
+    train = extract_features(backbone, data.eval_train, data, ctx, workers)
+    test = extract_features(
         backbone, data.eval_test, data, ctx, workers, unit=False)
-    return top1(lambda f: classifier(f.float()), test_f, test_y)
+    return (*train, *test)
 
 
-class OnlineProbe:
-    """The DT authors' online classifier (ChaoningZhang/Dual-
-    temperature solo/methods/base.py lines 335-343, 424-447) on the
-    training views' detached features, which `keep`, a forward hook,
-    collects: SGD, lr 0.3 unscaled (bash_files/*.sh)."""
-
-    def __init__(self, backbone, num_classes, ctx, seed,
-                 name="online_top1", lr=0.3):
-        self.backbone = backbone
-        self.name = name
-        self.lr = lr
-        self.features = []
-        self.classifier = linear_classifier(
-            backbone.out_dim, num_classes, ctx.device, seed)
-        self.optimizer = torch.optim.SGD(
-            self.classifier.parameters(), lr=lr, momentum=0.9)
-
-    def keep(self, backbone, inputs, output):
-        if backbone.training:  # not evaluation's
-            self.features.append(output.detach())
-
-    def step(self, labels, lr_scale):
-        """A step on the kept views; lr_scale: lr / peak lr."""
-        features = float32(torch.cat(self.features))  # (V * b, F)
-        self.features = []
-        y = labels.repeat(len(features) // len(labels))  # (V * b,)
-        labelled = all_reduce_sum((y >= 0).sum()).clamp_min(1)
-        loss = F.cross_entropy(
-            self.classifier(features), y, ignore_index=-1, reduction="sum")
-        self.optimizer.zero_grad(set_to_none=True)
-        (loss / labelled).backward()
-        for p in self.classifier.parameters():
-            p.grad = all_reduce_sum(p.grad)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr * lr_scale
-        self.optimizer.step()
-
-    def accuracy(self, data, ctx, workers=0):
-        """Top-1 % on the test split, the backbone in eval mode."""
-        f, y = extract_features(
-            self.backbone, data.eval_test, data, ctx, workers, unit=False)
-        return top1(lambda x: self.classifier(float32(x)), f, y)
-
-    def state_dict(self):  # for checkpoint.pt
-        return dict(classifier=self.classifier.state_dict(),
-                    optimizer=self.optimizer.state_dict())
-
-    def load_state_dict(self, state):
-        self.classifier.load_state_dict(state["classifier"])
-        self.optimizer.load_state_dict(state["optimizer"])
-
-
-def online_probes(args, data, ctx, backbone, momentum_encoder=None):
-    """--online-probe's OnlineProbes by name, hooked: `backbone`'s,
-    and the momentum encoder's (DT's --momentum_classifier)."""
-    if not args.online_probe:
-        return {}
-    classes = data.num_classes
-    probes = {"online_probe": OnlineProbe(backbone, classes, ctx, args.seed)}
-    if momentum_encoder is not None:
-        probes["momentum_probe"] = OnlineProbe(
-            momentum_encoder.backbone, classes, ctx, args.seed,
-            "momentum_online_top1")
-    for probe in probes.values():
-        probe.backbone.register_forward_hook(probe.keep)
-    return probes
-
-
-def evaluate(backbone, data, ctx, args, final=False, probes=None):
-    """kNN top-1 and the probes'; `final`: k=1, the linear probe."""
-    train_f, train_y = extract_features(
-        backbone, data.eval_train, data, ctx, args.workers)
-    test_f, test_y = extract_features(
-        backbone, data.eval_test, data, ctx, args.workers)
+def evaluate(features, backbone, data, ctx, args, final=False):
+    """kNN top-1 on split_features' `features`; `final`: k=1 and the
+    linear probe."""
+    train_f, train_y, test_f, test_y = features
+    test_unit = F.normalize(test_f, dim=1).to(train_f.dtype)
 
     def knn(k):
-        return knn_accuracy(
-            train_f, train_y, test_f, test_y, data.num_classes, k, args.knn_t)
+        return knn_accuracy(train_f, train_y, test_unit, test_y,
+                            data.num_classes, k, args.knn_t)
 
     result = {"knn_top1": knn(args.knn_k)}
-    for probe in (probes or {}).values():
-        result[probe.name] = probe.accuracy(data, ctx, args.workers)
     if not final:
         return result
     result.update(knn_k=args.knn_k, knn_k1_top1=knn(1), epochs=args.epochs)
@@ -995,12 +947,12 @@ def evaluate(backbone, data, ctx, args, final=False, probes=None):
         return result
     if protocol == "fixed":
         linear = linear_probe(
-            train_f, train_y, test_f, test_y, data.num_classes,
+            train_f, train_y, test_unit, test_y, data.num_classes,
             seed=args.seed, **settings)
     else:
         linear = linear_probe_augmented(
-            backbone, data, ctx, protocol, seed=args.seed,
-            workers=args.workers, **settings)
+            backbone, data, ctx, protocol, (test_f, test_y),
+            seed=args.seed, workers=args.workers, **settings)
     result.update(linear_top1=linear, linear_protocol=protocol)
     return result
 
@@ -1084,16 +1036,28 @@ def pretraining_optimizer(groups, args, ctx, lr):
 # =============================================================================
 # --------------------------------------------------------- errors and options
 class UserError(Exception):
-    """A problem the user can fix: one line, exit status 2."""
+    """A problem the user can fix: one line, exit status 2.
+    `every_rank`: every rank raises it alike; rank 0's line is all."""
+
+    def __init__(self, message, every_rank=False):
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 # This process's run: its script, command line and folder.
-RUN = {"script": None, "argv": None, "out": None}
+RUN = {"script": None, "argv": None, "out": None, "parser": None}
 
 
 def stop(signum, frame):
-    """SIGTERM as Ctrl-C: the run ends where it is."""
+    """SIGTERM as Ctrl-C: the run ends where it is. A second signal
+    (torchrun passes the job's on) would break that ending."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def pending_signals():
+    """Any Python call runs the signal handlers due."""
 
 
 def run(main):
@@ -1101,9 +1065,16 @@ def run(main):
     + the signal. A UserError: one line, exit status 2. Any other
     exception is a bug: its traceback."""
     rank = int(os.environ.get("RANK", 0))
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = signal.getsignal(signal.SIGINT)
+    previous = previous, signal.signal(signal.SIGTERM, stop)
     try:
-        main()
+        try:
+            main()
+        finally:
+            # A signal that came while a collective blocked: its
+            # handler runs at this call, while it is still ours (the
+            # other ranks' ending broke the collective).
+            pending_signals()
     except KeyboardInterrupt as error:
         name = error.args[0] if error.args else "SIGINT"
         kept = "no checkpoint was written yet"
@@ -1118,6 +1089,8 @@ def run(main):
         # A DataLoader worker's ends its traceback.
         message = str(error).strip().split("\n")[-1]
         message = message.split("UserError: ")[-1]
+        if rank != 0 and getattr(error, "every_rank", False):
+            sys.exit(2)
         if rank != 0:
             # Rank 0 speaks for all, torchrun ends the rest in this
             # wait; a rank that failed alone speaks after it.
@@ -1127,7 +1100,8 @@ def run(main):
         print(f"error{where}: {message}", file=sys.stderr)
         sys.exit(2)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
         for bar in list(tqdm._instances):
             bar.close()
         if dist.is_initialized():
@@ -1155,6 +1129,15 @@ seed_value = checked(int, lambda s: 0 <= s < 2 ** 32, "in [0, 2^32)")
 momentum_value = checked(float, lambda m: 0 <= m < 1, "in [0, 1)")
 
 
+def device_name(text):
+    """An argparse type: a name torch.device takes."""
+    try:
+        torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a device: {text}") from None
+    return text
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter,
                     argparse.ArgumentDefaultsHelpFormatter):
     """--help: the usage docstring's layout, each option's default."""
@@ -1170,8 +1153,13 @@ def add_common_args(parser):
            "generated CPU demo")
     a("--data-dir", default="./data", help="CIFAR/STL-10 download here")
     a("--image-size", type=positive_int, help="imagefolder's (224)")
-    a("--workers", type=non_negative_int, default=min(8, os.cpu_count() or 1),
-      help="image folder decoders")
+    # The node's cores shared among its processes (torchrun sets
+    # LOCAL_WORLD_SIZE): the streamed images' decoders.
+    cores = len(os.sched_getaffinity(0))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    a("--workers", type=non_negative_int, default=max(1, cores // local),
+      help="image folder decoders a process (the node's cores / its "
+           "processes)")
     a("--limit-train", type=positive_int, help="N training images")
     a("--arch", choices=list(ResNet.LAYERS), default="resnet18")
     # 1: ours where no authors' CIFAR stem is cited (SimCLR, GSG)
@@ -1198,8 +1186,6 @@ def add_common_args(parser):
       help="kNN monitor every N epochs (and last)")
     a("--knn-k", type=positive_int, default=200, help="kNN neighbours")
     a("--knn-t", type=positive_float, default=0.1, help="kNN temperature")
-    a("--online-probe", action=on_off, default=False,
-      help="the DT authors' online classifiers")
     a("--linear-protocol", choices=list(LINEAR_PROTOCOLS), default="fixed",
       help="the final probe: common.LINEAR_PROTOCOLS")
     a("--linear-epochs", type=non_negative_int,
@@ -1209,24 +1195,30 @@ def add_common_args(parser):
     a("--linear-batch", type=positive_int,
       help="probe batch (None: the protocol's)")
     a("--seed", type=seed_value, default=0)
-    a("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-      help="cuda, cuda:N or cpu (torchrun: cuda:LOCAL_RANK)")
+    a("--device", type=device_name,
+      default="cuda" if torch.cuda.is_available() else "cpu",
+      help="cuda, cuda:N or cpu (torchrun: cuda, LOCAL_RANK's GPU)")
     a("--amp", action=on_off,
       help="bf16 autocast (None: where the GPU has bf16)")
     a("--compile", action=on_off, default=False,
       help="torch.compile the network and the augmentation")
 
 
+# Options that change nothing a run trains: a run continues
+# under other values of them (another machine, another GPU).
+MAY_DIFFER = ("workers", "device", "out", "resume")
+
+
 def parse_args(parser, argv, script):
-    """The options; with --resume RUN, RUN's command line's. Where
-    --out holds this command's run, args.resume: it continues."""
+    """The options; with --resume RUN, RUN's command line's (but
+    MAY_DIFFER's, this machine's)."""
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parser.parse_args(argv)
     if args.crop_scale and args.crop_scale[0] > args.crop_scale[1]:
         parser.error("--crop-scale: MIN > MAX")
     if args.resume:
         folder = args.resume
-        if {**vars(args), "resume": None} != vars(parser.parse_args([])):
+        if trained_options(args) != trained_options(parser.parse_args([])):
             raise UserError(
                 f"--resume {folder} continues that run as it was "
                 f"started, with no other option; to train it otherwise, "
@@ -1237,13 +1229,19 @@ def parse_args(parser, argv, script):
         if config["script"] != script:
             raise UserError(f"--resume {folder}: that run is "
                             f"{config['script']}.py's, not {script}.py's")
+        ours = args
         argv = config["argv"]
         args = parser.parse_args(argv)
+        for name in MAY_DIFFER:
+            setattr(args, name, getattr(ours, name))
         args.out = folder
-    RUN.update(script=script, argv=argv, out=args.out)
-    if args.out and continues(args.out, argv, script):
-        args.resume = args.out
+    RUN.update(script=script, argv=argv, parser=parser)
     return args
+
+
+def trained_options(args):
+    """The options that decide what a run trains."""
+    return {k: v for k, v in vars(args).items() if k not in MAY_DIFFER}
 
 
 def read_config(out):
@@ -1255,29 +1253,38 @@ def read_config(out):
         return json.load(f)
 
 
-def continues(out, argv, script):
-    """Does `out` hold this command's run, checkpointed? Another
-    command's is refused; a finished one ends this process."""
-    config = read_config(out)
-    if config is None:
-        return False
-    theirs = shlex.join([f"{config['script']}.py", *config["argv"]])
-    ours = shlex.join([f"{script}.py", *argv])
-    if ours != theirs:
+# ---------------------------------------------------- this process and its run
+def command_line(script, argv):
+    return shlex.join([f"{script}.py", *argv])
+
+
+def choose_device(name, world, local_rank):
+    """--device as a torch.device: under torchrun each process takes
+    its LOCAL_RANK's GPU (or the one it is given to see)."""
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not gpus:
+        raise UserError(f"--device {name}: no GPU here; use --device cpu")
+    if world > 1 and device.index is not None:
         raise UserError(
-            f"--out {out} holds the run of `{theirs}`, not `{ours}`: run "
-            f"that command again to continue it, or choose another --out")
-    if os.path.exists(os.path.join(out, "results.json")):
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"{out} is finished (results.json)", file=sys.stderr)
-        sys.exit(0)  # a requeue of a finished run succeeds at once
-    # No checkpoint yet (its first epoch failed): it starts again.
-    return os.path.exists(os.path.join(out, "checkpoint.pt"))
+            f"--device {name}: under torchrun each process takes its "
+            f"LOCAL_RANK's GPU; give --device cuda")
+    index = device.index
+    if index is None:
+        index = 0 if gpus == 1 else local_rank
+    if index >= gpus:
+        what = f"LOCAL_RANK {local_rank}" if world > 1 else f"--device {name}"
+        raise UserError(f"{what}: this machine has {gpus} GPUs; "
+                        f"use at most {gpus} processes a node")
+    return torch.device("cuda", index)
 
 
 def setup(args):
-    """The device, torchrun's process group, float32's precision and
-    the default --out (rank 0's, for all) -> Context."""
+    """This process and its run: the device, torchrun's process
+    group, float32's precision, and what --out holds (rank 0
+    decides: open_run) -> Context."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -1285,11 +1292,8 @@ def setup(args):
         raise UserError(
             f"--batch-size {args.batch_size} must be a multiple of the "
             f"{world} processes with at least 2 images per process")
-    device = torch.device(args.device)
+    device = choose_device(args.device, world, local_rank)
     cuda = device.type == "cuda"
-    if cuda and device.index is None:  # torchrun: a GPU a process
-        one = torch.cuda.device_count() == 1
-        device = torch.device("cuda", 0 if one else local_rank)
     if cuda:
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True
@@ -1306,11 +1310,98 @@ def setup(args):
         out = [os.path.join("runs", f"{name}-{os.getpid()}")]
         if world > 1:  # rank 0's, for every rank
             dist.broadcast_object_list(out, src=0)
-        args.out = RUN["out"] = out[0]
+        args.out = out[0]
+    RUN["out"] = args.out
     amp = cuda and args.amp  # unset: where the GPU has native bf16
     if cuda and args.amp is None:
         amp = torch.cuda.is_bf16_supported(including_emulation=False)
-    return Context(rank, world, local_rank, device, args.out, amp)
+    ctx = Context(rank, world, local_rank, device, args.out, amp)
+    args.resume = args.out if open_run(args, ctx) else None
+    return ctx
+
+
+def open_run(args, ctx):
+    """Rank 0 looks in --out and decides, and every rank follows:
+    a new run (rank 0 writes config.json), this command's run to
+    continue (-> True), a finished one (the process ends) or
+    another command's (refused). A rank that does not see what
+    rank 0 sees stops every rank."""
+    verdict = [None, None, None]  # config.json's text, action, refusal
+    if ctx.rank == 0:
+        try:
+            verdict = look_in(args, ctx)
+        except UserError as error:
+            verdict = [None, None, str(error)]
+    if ctx.world > 1:
+        dist.broadcast_object_list(verdict, src=0)
+    text, action, refusal = verdict
+    if refusal:
+        raise UserError(refusal, every_rank=True)
+    if action == "finished":
+        ctx.print(f"{args.out} is finished (results.json)")
+        sys.exit(0)  # a requeue of a finished run succeeds at once
+    if ctx.world > 1:
+        sees = False
+        with contextlib.suppress(OSError):
+            with open(os.path.join(args.out, "config.json")) as f:
+                sees = f.read() == text
+        if action == "continue":
+            checkpoint = os.path.join(args.out, "checkpoint.pt")
+            sees = sees and os.path.exists(checkpoint)
+        seen = [None] * ctx.world
+        dist.all_gather_object(seen, sees)
+        if not all(seen):
+            blind = [r for r, s in enumerate(seen) if not s]
+            raise UserError(
+                f"rank {blind[0]} does not see {args.out} as rank 0 "
+                f"wrote it: --out must be on a disk every node sees",
+                every_rank=True)
+    return action == "continue"
+
+
+def look_in(args, ctx):
+    """Rank 0's verdict on --out: [config.json's text, action,
+    None], action new, continue or finished; refused: UserError."""
+    path = os.path.join(args.out, "config.json")
+    config = read_config(args.out)
+    if config is not None:
+        parser = RUN["parser"]
+        theirs = trained_options(parser.parse_args(config["argv"]))
+        ours = trained_options(parser.parse_args(RUN["argv"]))
+        if config["script"] != RUN["script"] or theirs != ours:
+            differ = [k for k in ours if theirs.get(k) != ours[k]]
+            differ = ", ".join(f"--{k.replace('_', '-')}" for k in differ)
+            raise UserError(
+                f"--out {args.out} holds the run of "
+                f"`{command_line(config['script'], config['argv'])}`, "
+                f"not this command (it differs in {differ or 'script'}): "
+                f"run that command again to continue it, or choose "
+                f"another --out")
+        if os.path.exists(os.path.join(args.out, "results.json")):
+            return [None, "finished", None]
+        if os.path.exists(os.path.join(args.out, "checkpoint.pt")):
+            with open(path, encoding="utf-8") as f:
+                return [f.read(), "continue", None]
+        # No checkpoint yet (its first epoch failed): it starts again.
+    versions = dict(python=sys.version.split()[0], torch=torch.__version__)
+    versions.update(git_commit())
+    config = dict(script=RUN["script"], argv=RUN["argv"],
+                  args=vars(args), world_size=ctx.world, versions=versions)
+    text = json.dumps(config, indent=2)
+    write_atomic(os.path.join(args.out, "metrics.jsonl"), b"")
+    write_atomic(path, text.encode())
+    return [text, "new", None]
+
+
+def git_commit():
+    """{"git_commit": this code's commit} where git answers, or {}."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here,
+                             capture_output=True, text=True)
+    except OSError:  # no git on the PATH
+        return {}
+    return {"git_commit": git.stdout.strip()} if git.returncode == 0 else {}
 
 
 # -------------------------------------------------------------- the run folder
@@ -1394,50 +1485,36 @@ def tensors(state):
 
 class Run:
     """A run folder and the loop's bookkeeping. The folder holds
-    config.json (the command line, options, versions), metrics.jsonl
-    (a line an epoch), checkpoint.pt (written at each epoch's end:
-    the states, the epochs done, their records) and, at the end,
-    backbone.pt and results.json. A run continues from its
-    checkpoint (args.resume, set by parse_args); the next epoch
-    draws as if never stopped, its generators made from (--seed,
-    epoch). A killed run loses its current epoch.
+    config.json (written by setup), metrics.jsonl (a line an
+    epoch), checkpoint.pt (written at each epoch's end: the states,
+    the epochs done, their records) and, at the end, backbone.pt
+    and results.json. A run continues from its checkpoint
+    (args.resume, set by setup); the next epoch draws as if never
+    stopped, its generators made from (--seed, epoch). A killed
+    run loses its current epoch.
 
     `states`: what checkpoint.pt keeps, by name (None: a part this
-    method lacks); `probes`: OnlineProbes by name, kept too."""
+    method lacks). `also`: a function of the test split's features
+    and labels -> more results, beside each kNN monitor (the DT
+    file's online probes)."""
 
-    def __init__(self, args, ctx, data, backbone, probes, states):
+    def __init__(self, args, ctx, data, backbone, states, also=None):
         self.args = args
         self.ctx = ctx
         self.data = data
         self.backbone = backbone
-        self.probes = probes
-        self.states = {k: s for k, s in {**states, **probes}.items()
-                       if s is not None}
+        self.also = also
+        self.states = {k: s for k, s in states.items() if s is not None}
         self.path = os.path.join(args.out, "checkpoint.pt")
         self.steps = len(data) // args.batch_size  # an epoch's
         self.epoch = 0  # epochs done
         self.metrics = []  # their records
+        self.last = None  # the last epoch's features and results
         ctx.print(f"run {args.out}  data {args.dataset}  train {len(data)}"
                   f"  classes {data.num_classes}  image {data.image_size}"
                   f" px  device {ctx.device}  processes {ctx.world}")
         if args.resume:
             self.load()
-        elif ctx.rank == 0:
-            self.write_config()
-
-    def write_config(self):
-        """config.json and an empty metrics.jsonl."""
-        here = os.path.dirname(os.path.abspath(__file__))
-        git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here,
-                             capture_output=True, text=True)
-        versions = dict(python=sys.version.split()[0], torch=torch.__version__,
-                        git_commit=git.stdout.strip() or None)
-        config = dict(script=RUN["script"], argv=RUN["argv"],
-                      args=vars(self.args), world_size=self.ctx.world,
-                      versions=versions)
-        write_atomic(os.path.join(self.args.out, "metrics.jsonl"), b"")
-        write_atomic(os.path.join(self.args.out, "config.json"),
-                     json.dumps(config, indent=2).encode())
 
     def load(self):
         """checkpoint.pt's states, epochs done and their records."""
@@ -1474,10 +1551,15 @@ class Run:
         for step, (images, labels) in enumerate(batches):
             yield step, images, labels
 
-    def train_probes(self, labels, lr_scale):
-        """The online probes learn from this step's features."""
-        for probe in self.probes.values():
-            probe.step(labels, lr_scale)
+    def monitor(self):
+        """The kNN monitor and `also` -> (features, results)."""
+        features = split_features(
+            self.backbone, self.data, self.ctx, self.args.workers)
+        result = evaluate(
+            features, self.backbone, self.data, self.ctx, self.args)
+        if self.also:
+            result.update(self.also(*features[2:]))
+        return features, result
 
     def end_epoch(self, record):
         """The record checked; the kNN monitor every --eval-every
@@ -1486,8 +1568,10 @@ class Run:
         self.check_finite(record, states)
         done = record["epoch"]
         if done % self.args.eval_every == 0 or done == self.args.epochs:
-            record.update(evaluate(self.backbone, self.data, self.ctx,
-                                   self.args, probes=self.probes))
+            features, result = self.monitor()
+            record.update(result)
+            if done == self.args.epochs:  # finish's too
+                self.last = features, result
         self.metrics.append(record)
         self.epoch = done
         if self.ctx.rank != 0:
@@ -1518,16 +1602,18 @@ class Run:
                         f"--no-amp, in a new --out")
 
     def finish(self):
-        """The final evaluation: backbone.pt, results.json."""
-        command = shlex.join([f"{RUN['script']}.py", *RUN["argv"]])
-        results = evaluate(self.backbone, self.data, self.ctx, self.args,
-                           final=True, probes=self.probes)
+        """The final evaluation, on the last epoch's features where
+        they are at hand: backbone.pt, results.json."""
+        features, results = self.last or self.monitor()
+        results.update(evaluate(features, self.backbone, self.data,
+                                self.ctx, self.args, final=True))
         if self.ctx.rank != 0:
             return
         weights = self.backbone.state_dict()
         weights = {k: v.cpu() for k, v in weights.items()}
         write_atomic(os.path.join(self.args.out, "backbone.pt"), weights)
         path = os.path.join(self.args.out, "results.json")
+        command = command_line(RUN["script"], RUN["argv"])
         results = {"command": command, **results}
         write_atomic(path, json.dumps(results, indent=2).encode())
         self.ctx.print(f"final: {one_line(results, '.2f')}\n"

@@ -61,6 +61,10 @@ def parse_args(argv=None):
     # --base/final_tau_momentum 0.99.
     add("--key-momentum", type=common.momentum_value,
         default=0.99, help="m of the momentum (key) encoder EMA")
+    # The DT paper's protocol ("Evaluation": top-1 of the online
+    # linear evaluation), official base.py's online classifier.
+    add("--online-probe", action=argparse.BooleanOptionalAction,
+        default=True, help="the DT authors' online classifiers")
     # Official bash_files/{moco,simmoco,simco}.sh
     # --proj_hidden_dim 128.
     add("--proj-hidden", type=common.positive_int, default=128,
@@ -71,11 +75,11 @@ def parse_args(argv=None):
     # "Training" and official bash_files/*.sh: batch 256, 200
     # epochs, lr 0.03 per 256 (solo/args/utils.py), wd 5e-4, 10
     # warm-up epochs (solo/methods/base.py); crop scale from 0.08
-    # (solo/args/dataset.py). The online probe: "Evaluation". The
-    # CIFAR stem's padding 2: solo/methods/base.py lines 239-241.
+    # (solo/args/dataset.py). The CIFAR stem's padding 2:
+    # solo/methods/base.py lines 239-241.
     parser.set_defaults(batch_size=256, epochs=200, lr=0.03, wd=5e-4,
                         warmup_epochs=10, crop_scale=(0.08, 1.0),
-                        online_probe=True, stem_padding=2)
+                        stem_padding=2)
     args = common.parse_args(parser, argv, "moco_simmoco_simco")
     if args.tau_beta is None:
         plain = args.method == "mocov2"
@@ -92,7 +96,8 @@ def parse_args(argv=None):
 # ------------------------------ model
 class Encoder(nn.Module):
     """backbone f (ResNet) + MoCo v2's projector (Linear-ReLU-Linear,
-    no BatchNorm): image -> (B, D)."""
+    no BatchNorm): image -> (B, D), and the backbone's (B, F),
+    which the online probe learns from."""
 
     def __init__(self, arch, width, image_size, proj_hidden=128,
                  proj_dim=128, stem_padding=1):
@@ -103,7 +108,8 @@ class Encoder(nn.Module):
             nn.Linear(proj_hidden, proj_dim))
 
     def forward(self, x):
-        return self.projector(self.backbone(x))
+        features = self.backbone(x)
+        return self.projector(features), features
 
 
 def momentum_encoder(model, ctx):
@@ -257,8 +263,9 @@ def epoch_share(record):
 # ------------------------------ training step
 def train_step(net, optimizer, views, args, ctx, key_encoder=None,
                queues=None):
-    """One SGD step -> the loss and anchor_weight_stats. L is DT
-    Eq. 9, f `net`, f_k the key encoder.
+    """One SGD step -> the loss, anchor_weight_stats and the views'
+    backbone features (2b, F), detached: the online encoder's, then
+    the key encoder's. L is DT Eq. 9, f `net`, f_k the key encoder.
 
     mocov2, simmoco: L(q1, k2), q1 = f(x1), k2 = f_k(x2) (no
     gradient); --symmetric (MoCo v2+, SimMoCo+) averages it with
@@ -276,8 +283,8 @@ def train_step(net, optimizer, views, args, ctx, key_encoder=None,
     x1, x2 = views
     if args.method == "simco":
         with ctx.autocast():
-            z1 = net(x1)  # (b, D)
-            z2 = net(x2)  # (b, D)
+            z1, h1 = net(x1)  # (b, D), (b, F)
+            z2, h2 = net(x2)
         z1 = common.float32(z1)
         z2 = common.float32(z2)
         loss_12, (wa_12, wb_12) = L(z1, z2)
@@ -287,14 +294,14 @@ def train_step(net, optimizer, views, args, ctx, key_encoder=None,
         w_beta = torch.cat([wb_12, wb_21])
     else:
         with ctx.autocast():
-            q1 = net(x1)  # (b, D)
+            q1, h1 = net(x1)  # (b, D), (b, F)
             # Without --symmetric no loss takes q2: no graph.
             with torch.set_grad_enabled(args.symmetric):
-                q2 = net(x2)  # (b, D)
+                q2, h2 = net(x2)
             # q2's and q1's positives.
             with torch.no_grad():
-                k1 = key_encoder(x1)  # (b, D)
-                k2 = key_encoder(x2)  # (b, D)
+                k1, key_h1 = key_encoder(x1)  # (b, D), (b, F)
+                k2, key_h2 = key_encoder(x2)
         # mocov2's negatives: a queue of past keys per key view.
         past = [None, None]
         if queues is not None:
@@ -321,7 +328,11 @@ def train_step(net, optimizer, views, args, ctx, key_encoder=None,
         queues[0].push(common.gather(k2))
         if args.symmetric:
             queues[1].push(common.gather(k1))
-    return loss.detach(), anchor_weight_stats(w_alpha, w_beta)
+    features = [torch.cat([h1, h2]).detach()]  # (2b, F)
+    if key_encoder is not None:
+        features.append(torch.cat([key_h1, key_h2]))
+    stats = anchor_weight_stats(w_alpha, w_beta)
+    return loss.detach(), stats, features
 
 
 def recipes(args):
@@ -334,6 +345,73 @@ def recipes(args):
     solo/utils/pretrain_dataloader.py."""
     crop_scale = tuple(args.crop_scale)
     return [common.Recipe(crop_scale=crop_scale, blur_p=0.0)] * 2
+
+
+# ------------------------------ the online probes
+class OnlineProbes:
+    """The DT authors' online linear evaluation (official
+    solo/methods/base.py lines 335-343, 424-447): a classifier
+    trained during pre-training on the views' detached backbone
+    features, and one on the momentum encoder's
+    (--momentum_classifier). SGD, momentum 0.9, lr 0.3 at any
+    batch (bash_files/*.sh), on the schedule's shape."""
+
+    def __init__(self, data, ctx, args, encoder, key_encoder=None,
+                 lr=0.3):
+        self.data = data
+        self.ctx = ctx
+        self.workers = args.workers
+        self.key_encoder = key_encoder
+        self.lr = lr
+        names = ["online_top1"]
+        if key_encoder is not None:
+            names.append("momentum_online_top1")
+        self.classifiers = nn.ModuleDict({
+            name: common.linear_classifier(
+                encoder.backbone.out_dim, data.num_classes, ctx.device,
+                args.seed)
+            for name in names})
+        self.optimizer = torch.optim.SGD(
+            self.classifiers.parameters(), lr=lr, momentum=0.9)
+
+    def step(self, features, labels, lr_scale):
+        """A step on train_step's features; lr_scale: lr / peak."""
+        loss = 0
+        for classifier, f in zip(self.classifiers.values(), features):
+            f = common.float32(f)  # (V b, F)
+            y = labels.repeat(len(f) // len(labels))  # (V b,)
+            loss = loss + F.cross_entropy(
+                classifier(f), y, ignore_index=-1, reduction="sum")
+        # The mean over the global batch's labelled views.
+        labelled = common.all_reduce_sum((y >= 0).sum()).clamp_min(1)
+        self.optimizer.zero_grad(set_to_none=True)
+        (loss / labelled).backward()
+        for p in self.classifiers.parameters():
+            p.grad = common.all_reduce_sum(p.grad)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr * lr_scale
+        self.optimizer.step()
+
+    def top1(self, test_f, test_y):
+        """Test top-1 %: the online classifier on the run's test
+        features (F), the momentum one on the key encoder's."""
+        classify = self.classifiers["online_top1"]
+        result = {"online_top1": common.top1(classify, test_f, test_y)}
+        if self.key_encoder is not None:
+            f, y = common.extract_features(
+                self.key_encoder.backbone, self.data.eval_test,
+                self.data, self.ctx, self.workers, unit=False)
+            classify = self.classifiers["momentum_online_top1"]
+            result["momentum_online_top1"] = common.top1(classify, f, y)
+        return result
+
+    def state_dict(self):  # for checkpoint.pt
+        return dict(classifiers=self.classifiers.state_dict(),
+                    optimizer=self.optimizer.state_dict())
+
+    def load_state_dict(self, state):
+        self.classifiers.load_state_dict(state["classifiers"])
+        self.optimizer.load_state_dict(state["optimizer"])
 
 
 # ------------------------------ main loop
@@ -368,7 +446,9 @@ def main(argv=None):
     peak_lr = args.lr * args.batch_size / 256
     optimizer = common.pretraining_optimizer(
         model.parameters(), args, ctx, peak_lr)
-    probes = common.online_probes(args, data, ctx, backbone, key_encoder)
+    probes = None
+    if args.online_probe:
+        probes = OnlineProbes(data, ctx, args, model, key_encoder)
     augment = common.Augment(recipes(args), data.image_size,
                              data.mean, data.std, ctx)
     if args.compile:  # the loss stays as written
@@ -376,10 +456,12 @@ def main(argv=None):
         augment = torch.compile(augment)
     # what a checkpoint keeps
     states = dict(model=model, optimizer=optimizer,
-                  key_encoder=key_encoder, queues=queues)
+                  key_encoder=key_encoder, queues=queues, probes=probes)
 
-    # shared: the run folder; a checkpoint there is continued
-    run = common.Run(args, ctx, data, backbone, probes, states)
+    # shared: the run folder; a checkpoint there is continued; the
+    # probes' test top-1 beside each kNN monitor
+    run = common.Run(args, ctx, data, backbone, states,
+                     also=probes.top1 if probes else None)
     for epoch in run.epochs():
         for step, images, labels in run.batches(epoch):
             # own: the schedule, the augmented views, the step
@@ -389,9 +471,11 @@ def main(argv=None):
             for group in optimizer.param_groups:
                 group["lr"] = lr
             views = augment(images, run.draws)
-            loss, (w_alpha, w_beta, entropy, w_log_w) = train_step(
+            loss, stats, features = train_step(
                 net, optimizer, views, args, ctx, key_encoder, queues)
-            run.train_probes(labels, lr / peak_lr)
+            w_alpha, w_beta, entropy, w_log_w = stats
+            if probes:  # DT's online evaluation
+                probes.step(features, labels, lr / peak_lr)
             # the anchors' weights, how unequal (DT Eq. 4, Fig. 3)
             run.meter.update(lr, loss=loss, w_alpha=w_alpha,
                              w_beta=w_beta, r_plus_entropy=entropy,

@@ -305,7 +305,6 @@ def main(argv=None):
     peak_lr = args.lr * args.batch_size / 256
     optimizer = common.pretraining_optimizer(
         model.parameters(), args, ctx, peak_lr)
-    probes = common.online_probes(args, data, ctx, backbone)
     augment = common.Augment(recipes(args), data.image_size,
                              data.mean, data.std, ctx)
     if args.compile:  # the loss stays as written
@@ -316,7 +315,7 @@ def main(argv=None):
                   support_set=support_set)
 
     # shared: the run folder; a checkpoint there is continued
-    run = common.Run(args, ctx, data, backbone, probes, states)
+    run = common.Run(args, ctx, data, backbone, states)
     for epoch in run.epochs():
         for step, images, labels in run.batches(epoch):
             # own: the schedule, the augmented views, the step
@@ -328,7 +327,6 @@ def main(argv=None):
             views = augment(images, run.draws)
             loss, same_class, labelled = train_step(
                 net, optimizer, views, args, ctx, labels, support_set)
-            run.train_probes(labels, lr / peak_lr)
             run.meter.update(lr, loss=loss, same_class=same_class,
                              labelled=labelled)
 

@@ -238,7 +238,6 @@ def main(argv=None):
     peak_lr = args.lr * args.batch_size / 256
     optimizer = common.pretraining_optimizer(
         model.parameters(), args, ctx, peak_lr)
-    probes = common.online_probes(args, data, ctx, backbone)
     augment = common.Augment(recipes(args), data.image_size,
                              data.mean, data.std, ctx)
     if args.compile:  # the loss stays as written
@@ -248,7 +247,7 @@ def main(argv=None):
     states = dict(model=model, optimizer=optimizer)
 
     # shared: the run folder; a checkpoint there is continued
-    run = common.Run(args, ctx, data, backbone, probes, states)
+    run = common.Run(args, ctx, data, backbone, states)
     for epoch in run.epochs():
         for step, images, labels in run.batches(epoch):
             # own: the schedule, the augmented views, the step
@@ -259,7 +258,6 @@ def main(argv=None):
                 group["lr"] = lr
             views = augment(images, run.draws)
             loss, q = train_step(net, optimizer, views, args, ctx)
-            run.train_probes(labels, lr / peak_lr)
             run.meter.update(lr, loss=loss, npc_mean=q.mean(),
                              npc_sq=(q * q).mean())
 

@@ -341,11 +341,10 @@ def main(argv=None):
     if args.method == "byol":
         target = momentum_encoder(model.encoder, ctx)
 
-    # own: the optimiser, the probes, the augmentation
+    # own: the optimiser, the augmentation
     peak_lr = args.lr * args.batch_size / 256
     optimizer = common.pretraining_optimizer(
         parameter_groups(model, args), args, ctx, peak_lr)
-    probes = common.online_probes(args, data, ctx, backbone, target)
     augment = common.Augment(recipes(args), data.image_size,
                              data.mean, data.std, ctx)
     if args.compile:  # the loss stays as written
@@ -355,7 +354,7 @@ def main(argv=None):
     states = dict(model=model, optimizer=optimizer, target=target)
 
     # shared: the run folder; a checkpoint there is continued
-    run = common.Run(args, ctx, data, backbone, probes, states)
+    run = common.Run(args, ctx, data, backbone, states)
     for epoch in run.epochs():
         for step, images, labels in run.batches(epoch):
             # own: the schedules, the views, GSG's pairs, the step
@@ -374,7 +373,6 @@ def main(argv=None):
             loss, case, proj_std = train_step(
                 net, optimizer, views, args, ctx, pairing=pairing,
                 target=target, online=model.encoder, tau=tau)
-            run.train_probes(labels, lr / peak_lr)
             scalars = {"loss": loss, "proj_std": proj_std}
             if target is not None:
                 scalars["ema"] = tau

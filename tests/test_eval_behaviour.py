@@ -123,8 +123,9 @@ def test_final_evaluation_reports_knn_with_knn_k_and_knn_t_and_with_k_1():
     train_y = torch.tensor([0, 1, 1, 0, 1, 1, 2, 2, 2])
     test_f, test_y = on_circle(0.0, 1.2), torch.tensor([1, 1])
     backbone, data = table_data(train_f, train_y, test_f, test_y, 3)
-    result = common.evaluate(backbone, data, CPU, evaluation_args(knn_k=3, knn_t=0.02),
-                             final=True)
+    features = common.split_features(backbone, data, CPU)
+    result = common.evaluate(features, backbone, data, CPU,
+                             evaluation_args(knn_k=3, knn_t=0.02), final=True)
     case = (train_f, train_y, test_f, test_y)
     assert result["knn_top1"] == knn_by_hand(*case, k=3, t=0.02) == 50.0
     assert result["knn_k1_top1"] == knn_by_hand(*case, k=1, t=0.02) == 0.0
@@ -170,64 +171,3 @@ def test_the_fixed_probe_standardises_the_test_features_with_the_training_statis
         return 100 + 0.1 * ((2 * y[:, None] - 1) + jitter), y
     (train_f, train_y), (test_f, test_y) = features(200), features(100)
     assert common.linear_probe(train_f, train_y, test_f, test_y, 2, 5, 1e-3, 32) == 100.0
-
-
-def probe_step_by_hand(classifier, features, labels, lr):
-    """One SGD step with momentum 0.9 from a fresh buffer (= a plain gradient step) on the mean
-    cross-entropy over the labelled rows: dL/dlogits = (softmax - onehot) / n -> (weight, bias)."""
-    w, b = classifier.weight.detach(), classifier.bias.detach()
-    keep = labels >= 0
-    x, y = features[keep], labels[keep]
-    dlogits = (torch.softmax(x @ w.T + b, 1) - F.one_hot(y, len(b))) / len(y)  # (n, C)
-    return w - lr * dlogits.T @ x, b - lr * dlogits.sum(0)
-
-
-def test_online_probe_step_is_an_sgd_step_at_its_lr_times_the_given_scale(float64):
-    """Two training views' backbone features, labels repeated per view, one unlabelled image: the
-    classifier moves by 0.3 * lr_scale times the gradient of the mean cross-entropy over the
-    labelled views (a first momentum step is a plain gradient step)."""
-    torch.manual_seed(0)
-    backbone = common.ResNet("resnet18", 4, 8).train()
-    probe = common.OnlineProbe(backbone, 3, CPU, seed=0)
-    backbone.register_forward_hook(probe.keep)  # as online_probes does
-    labels = torch.tensor([0, 2, -1, 1])
-    features = torch.cat([backbone(torch.randn(4, 3, 8, 8)).detach() for _ in range(2)])
-    expected = probe_step_by_hand(probe.classifier, features, labels.repeat(2), 0.3 * 0.25)
-    probe.step(labels, 0.25)
-    torch.testing.assert_close(probe.classifier.weight, expected[0], rtol=0, atol=1e-12)
-    torch.testing.assert_close(probe.classifier.bias, expected[1], rtol=0, atol=1e-12)
-
-
-def test_every_training_mode_pass_and_no_evaluation_pass_feeds_the_online_probe(float64):
-    """A training-mode pass feeds the probe, with gradient (an online encoder's) or without (a
-    momentum encoder's, or the second view of DT's MoCo v2 without --symmetric, issue 28); an
-    eval-mode pass (evaluation's) feeds it nothing: its step equals the hand step on the two."""
-    torch.manual_seed(0)
-    backbone = common.ResNet("resnet18", 4, 8).train()
-    probe = common.OnlineProbe(backbone, 3, CPU, seed=0)
-    backbone.register_forward_hook(probe.keep)  # as online_probes does
-    labels = torch.tensor([0, 1, 2, 1])
-    with torch.no_grad():
-        without_grad = backbone(torch.randn(4, 3, 8, 8))
-    backbone.eval()(torch.randn(4, 3, 8, 8))
-    features = torch.cat([without_grad, backbone.train()(torch.randn(4, 3, 8, 8)).detach()])
-    expected = probe_step_by_hand(probe.classifier, features, labels.repeat(2), 0.3)
-    probe.step(labels, 1.0)
-    torch.testing.assert_close(probe.classifier.weight, expected[0], rtol=0, atol=1e-12)
-    torch.testing.assert_close(probe.classifier.bias, expected[1], rtol=0, atol=1e-12)
-
-
-def test_online_probe_accuracy_is_its_classifier_on_the_raw_features():
-    """The online probe trains on raw (un-normalised) features and is tested on them: logits
-    (x_0, 1.5) call feature rows (3, 0) and (2, 1) class 0, (1, 0) and (1, 1) class 1: 100 %;
-    their unit rows (x_0 <= 1) would all be called class 1, 50 %."""
-    test_f = torch.tensor([[3.0, 0.0], [2.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
-    test_y = torch.tensor([0, 0, 1, 1])
-    backbone, data = table_data(torch.zeros(0, 2), torch.zeros(0, dtype=torch.long), test_f,
-                                test_y, 2)
-    probe = common.OnlineProbe(backbone, 2, CPU, seed=0)
-    backbone.register_forward_hook(probe.keep)  # as online_probes does
-    with torch.no_grad():
-        probe.classifier.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
-        probe.classifier.bias.copy_(torch.tensor([0.0, 1.5]))
-    assert probe.accuracy(data, CPU) == 100.0

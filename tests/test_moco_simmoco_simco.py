@@ -4,6 +4,8 @@ import argparse
 import math
 import os
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -264,16 +266,68 @@ def step_views(step, global_batch=8, rank=0, world=1):
 @pytest.mark.parametrize("method", ["mocov2", "simmoco", "simco"])
 def test_both_views_pass_the_online_encoder_and_feed_the_online_probe_in_every_method(method):
     """The DT authors' code passes every view through the online encoder and trains the online
-    classifier on each (official solo/methods/base.py lines 475 and 482, as issue 28 cites them):
-    one step of b images gives the probe 2 b rows and the online BatchNorm two batches, without
-    --symmetric too (the loss still takes q1 alone there)."""
+    classifier on each (official solo/methods/base.py lines 475 and 482): one step of b images
+    gives the probe 2 b rows of backbone features and the online BatchNorm two batches, without
+    --symmetric too (the loss still takes q1 alone there); the momentum probe gets the key
+    encoder's 2 b rows where there is one."""
     ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
     model, net, key_encoder, queues, optimizer, args = tiny_setup(method, False, ctx)
-    probe = common.OnlineProbe(model.backbone, 3, ctx, seed=0)
-    model.backbone.register_forward_hook(probe.keep)  # as online_probes does
-    mss.train_step(net, optimizer, step_views(0), args, ctx, key_encoder, queues)
-    assert len(torch.cat(probe.features)) == 2 * 8
+    views = step_views(0)
+    _, _, features = mss.train_step(net, optimizer, views, args, ctx, key_encoder, queues)
+    assert [f.shape for f in features] == [(16, model.backbone.out_dim)] * (
+        1 if method == "simco" else 2)
     assert model.backbone.bn1.num_batches_tracked.item() == 2
+    assert not any(f.requires_grad for f in features)
+
+
+def probe_step_by_hand(classifier, features, labels, lr):
+    """One SGD step with momentum 0.9 from a fresh buffer (= a plain gradient step) on the mean
+    cross-entropy over the labelled rows: dL/dlogits = (softmax - onehot) / n -> (weight, bias)."""
+    w, b = classifier.weight.detach(), classifier.bias.detach()
+    keep = labels >= 0
+    x, y = features[keep], labels[keep]
+    dlogits = (torch.softmax(x @ w.T + b, 1) - F.one_hot(y, len(b))) / len(y)  # (n, C)
+    return w - lr * dlogits.T @ x, b - lr * dlogits.sum(0)
+
+
+def tiny_probes(momentum=False):
+    ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
+    encoder = mss.Encoder("resnet18", 4, 8, 16, 8)
+    data = SimpleNamespace(num_classes=3)
+    args = SimpleNamespace(workers=0, seed=0)
+    return mss.OnlineProbes(data, ctx, args, encoder, encoder if momentum else None)
+
+
+def test_online_probe_step_is_an_sgd_step_at_its_lr_times_the_given_scale(float64):
+    """Two views' backbone features, labels repeated per view, one unlabelled image: each
+    classifier moves by 0.3 * lr_scale times the gradient of the mean cross-entropy over the
+    labelled views (a first momentum step is a plain gradient step), the momentum probe's on
+    its own features."""
+    torch.manual_seed(0)
+    probes = tiny_probes(momentum=True)
+    labels = torch.tensor([0, 2, -1, 1])
+    features = [torch.randn(8, 32), torch.randn(8, 32)]
+    expected = [probe_step_by_hand(c, f, labels.repeat(2), 0.3 * 0.25)
+                for c, f in zip(probes.classifiers.values(), features)]
+    probes.step(features, labels, 0.25)
+    for classifier, (weight, bias) in zip(probes.classifiers.values(), expected):
+        torch.testing.assert_close(classifier.weight, weight, rtol=0, atol=1e-12)
+        torch.testing.assert_close(classifier.bias, bias, rtol=0, atol=1e-12)
+
+
+def test_online_probe_accuracy_is_its_classifier_on_the_raw_features():
+    """The online probe trains on raw (un-normalised) features and is tested on them: logits
+    (x_0, 1.5) call feature rows (3, 0) and (2, 1) class 0, (1, 0) and (1, 1) class 1: 100 %;
+    their unit rows (x_0 <= 1) would all be called class 1, 50 %."""
+    test_f = torch.tensor([[3.0, 0.0], [2.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    test_y = torch.tensor([0, 0, 1, 1])
+    probes = tiny_probes()
+    probes.classifiers["online_top1"] = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        probes.classifiers["online_top1"].weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
+        probes.classifiers["online_top1"].bias.copy_(torch.tensor([0.0, 1.5]))
+    assert probes.top1(test_f, test_y) == {"online_top1": 100.0}
+
 
 def test_momentum_encoder_is_ema_of_the_query_encoder_and_queue_gets_its_keys_without_gradient():
     """After a step: theta_k = m theta_k_old + (1 - m) theta_q (parameter by parameter); the queue's
@@ -287,7 +341,7 @@ def test_momentum_encoder_is_ema_of_the_query_encoder_and_queue_gets_its_keys_wi
             p.data.add_(0.1 * torch.randn_like(p))
         old = [p.clone() for p in key_encoder.parameters()]
         with torch.no_grad():
-            expected_keys = F.normalize(mss.momentum_encoder(key_encoder, ctx)(views[1]), dim=1)
+            expected_keys = F.normalize(mss.momentum_encoder(key_encoder, ctx)(views[1])[0], dim=1)
         mss.train_step(net, optimizer, views, args, ctx, key_encoder, queues)
     for p_k, p_old, p_q in zip(key_encoder.parameters(), old, model.parameters()):
         torch.testing.assert_close(p_k, 0.9 * p_old + 0.1 * p_q, rtol=0, atol=1e-14)
@@ -307,11 +361,11 @@ def test_simco_loss_is_symmetric_with_gradient_through_both_views_each_its_own_f
         views = step_views(0)
         for group in optimizer.param_groups:
             group.update(lr=0.0, weight_decay=0.0)
-        z1, z2 = model(views[0]), model(views[1])
+        z1, z2 = model(views[0])[0], model(views[1])[0]
         expected = (mss.dual_temperature_loss(z1, z2, 0.1, 0.5)[0]
                     + mss.dual_temperature_loss(z2, z1, 0.1, 0.5)[0]) / 2
         g_expected = torch.autograd.grad(expected, list(model.parameters()))
-        loss, _ = mss.train_step(net, optimizer, views, args, ctx)
+        loss, _, _ = mss.train_step(net, optimizer, views, args, ctx)
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-14)
     for p, g in zip(model.parameters(), g_expected):
         torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-12)
@@ -329,14 +383,14 @@ def test_symmetric_pairs_q1_with_k2_and_q2_with_k1_mocov2_with_two_queues(method
         views = step_views(0)
         with torch.no_grad():
             frozen = mss.momentum_encoder(key_encoder, ctx)  # a copy: BatchNorm stats stay apart
-            k1, k2 = (F.normalize(frozen(v), dim=1) for v in views)
-            q1, q2 = model(views[0]), model(views[1])
+            k1, k2 = (F.normalize(frozen(v)[0], dim=1) for v in views)
+            q1, q2 = model(views[0])[0], model(views[1])[0]
         past_k2, past_k1 = (None, None) if queues is None else (q.rows.clone() for q in queues)
 
         def loss_with(queue_1, queue_2):
             return (mss.dual_temperature_loss(q1, k2, 0.1, 0.5, queue_1)[0]
                     + mss.dual_temperature_loss(q2, k1, 0.1, 0.5, queue_2)[0]) / 2
-        loss, _ = mss.train_step(net, optimizer, views, args, ctx, key_encoder, queues)
+        loss, _, _ = mss.train_step(net, optimizer, views, args, ctx, key_encoder, queues)
     torch.testing.assert_close(loss, loss_with(past_k2, past_k1), rtol=1e-5, atol=1e-13)
     if method == "mocov2":
         assert not torch.allclose(loss, loss_with(past_k1, past_k2), atol=1e-6)  # not swapped
@@ -373,7 +427,7 @@ def run_steps(method, symmetric, rank=0, world=1, steps=3):
     losses, stats = [], []
     for step in range(steps):
         views = step_views(step, 8, rank, world)
-        loss, stat = mss.train_step(net, optimizer, views, args, ctx, key_encoder, queues)
+        loss, stat, _ = mss.train_step(net, optimizer, views, args, ctx, key_encoder, queues)
         losses.append(loss)
         stats.append(torch.stack(stat))
     return {"losses": torch.stack(losses), "stats": torch.stack(stats), "model": model.state_dict(),

@@ -34,9 +34,9 @@ def test_part_one_holds_what_the_methods_build_on_and_comes_first():
     first, second, _, _ = parts()
     for name in ("gather_with_grad", "GlobalBatchNorm", "ResNet", "Augment", "colour_jitter",
                  "load_data", "image_folder", "ImageFiles", "train_batches", "knn_accuracy",
-                 "linear_probe", "OnlineProbe", "LARS", "learning_rate"):
+                 "linear_probe", "split_features", "LARS", "learning_rate"):
         assert name in first, name
-    for name in ("run", "parse_args", "setup", "EpochMeter", "Run", "write_atomic"):
+    for name in ("run", "parse_args", "setup", "open_run", "EpochMeter", "Run", "write_atomic"):
         assert name in second, name
 
 
