@@ -71,3 +71,24 @@ def test_compiled_augmentation_equals_eager_for_each_method_files_recipes(method
     """The method file's ops, compiled by itself or by the method file that covers them, give
     the eager views within TOLERANCE."""
     assert largest_difference(compiled_by(method)) <= TOLERANCE
+
+
+def test_the_online_probe_leaves_the_compiled_network_one_graph():
+    """moco_simmoco_simco.py under --compile with its online probes on (its default): the probes
+    take the backbone's features from the encoder's output, so dynamo captures the network as one
+    graph, with no break and no second graph across steps (a forward hook that appended them to a
+    list, as the probe once had, broke the graph into two)."""
+    import moco_simmoco_simco as mss
+    from torch._dynamo.testing import CompileCounter
+
+    args = mss.parse_args([*QUICK_START["moco_simmoco_simco"], "--width", "4", "--out", "/none"])
+    model = mss.Encoder("resnet18", 4, 8, 16, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    counter = CompileCounter()
+    net = torch.compile(model, backend=counter)
+    for step in range(2):
+        views = [torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(step + v))
+                 for v in range(2)]
+        _, _, features = mss.train_step(net, optimizer, views, args, CPU)
+        assert features[0].shape == (8, model.backbone.out_dim)
+    assert counter.frame_count == 1, counter.frame_count
