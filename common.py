@@ -10,7 +10,7 @@ Part 1, what the methods build on (read it beside a method file):
   optimisers: learning_rate, LARS
 Part 2, the run, which changes nothing a method computes:
   errors and options: UserError, run, add_common_args, parse_args
-  this process and its run: setup, open_run (rank 0 decides what
+  this process and its run: setup; open_run (rank 0 decides what
     --out holds, every rank follows)
   the run folder: EpochMeter, Run (how a run continues, each
     epoch's end, the run's), write_atomic
@@ -1282,9 +1282,8 @@ def choose_device(name, world, local_rank):
 
 
 def setup(args):
-    """This process and its run: the device, torchrun's process
-    group, float32's precision, and what --out holds (rank 0
-    decides: open_run) -> Context."""
+    """The device, torchrun's process group, float32's precision
+    and the default --out (rank 0's, for all) -> Context."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -1315,9 +1314,7 @@ def setup(args):
     amp = cuda and args.amp  # unset: where the GPU has native bf16
     if cuda and args.amp is None:
         amp = torch.cuda.is_bf16_supported(including_emulation=False)
-    ctx = Context(rank, world, local_rank, device, args.out, amp)
-    args.resume = args.out if open_run(args, ctx) else None
-    return ctx
+    return Context(rank, world, local_rank, device, args.out, amp)
 
 
 def open_run(args, ctx):
@@ -1485,25 +1482,25 @@ def tensors(state):
 
 class Run:
     """A run folder and the loop's bookkeeping. The folder holds
-    config.json (written by setup), metrics.jsonl (a line an
+    config.json (written by open_run), metrics.jsonl (a line an
     epoch), checkpoint.pt (written at each epoch's end: the states,
     the epochs done, their records) and, at the end, backbone.pt
     and results.json. A run continues from its checkpoint
-    (args.resume, set by setup); the next epoch draws as if never
+    (where open_run says so); the next epoch draws as if never
     stopped, its generators made from (--seed, epoch). A killed
     run loses its current epoch.
 
     `states`: what checkpoint.pt keeps, by name (None: a part this
     method lacks). `also`: a function of the test split's features
     and labels -> more results, beside each kNN monitor (the DT
-    file's online probes)."""
+    file's online probes, which set run.also)."""
 
-    def __init__(self, args, ctx, data, backbone, states, also=None):
+    def __init__(self, args, ctx, data, backbone, states):
         self.args = args
         self.ctx = ctx
         self.data = data
         self.backbone = backbone
-        self.also = also
+        self.also = None
         self.states = {k: s for k, s in states.items() if s is not None}
         self.path = os.path.join(args.out, "checkpoint.pt")
         self.steps = len(data) // args.batch_size  # an epoch's
@@ -1513,7 +1510,7 @@ class Run:
         ctx.print(f"run {args.out}  data {args.dataset}  train {len(data)}"
                   f"  classes {data.num_classes}  image {data.image_size}"
                   f" px  device {ctx.device}  processes {ctx.world}")
-        if args.resume:
+        if open_run(args, ctx):  # rank 0 decides what --out holds
             self.load()
 
     def load(self):

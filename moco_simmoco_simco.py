@@ -446,7 +446,7 @@ def main(argv=None):
     peak_lr = args.lr * args.batch_size / 256
     optimizer = common.pretraining_optimizer(
         model.parameters(), args, ctx, peak_lr)
-    probes = None
+    probes = None  # DT's online evaluation (--online-probe)
     if args.online_probe:
         probes = OnlineProbes(data, ctx, args, model, key_encoder)
     augment = common.Augment(recipes(args), data.image_size,
@@ -458,10 +458,10 @@ def main(argv=None):
     states = dict(model=model, optimizer=optimizer,
                   key_encoder=key_encoder, queues=queues, probes=probes)
 
-    # shared: the run folder; a checkpoint there is continued; the
-    # probes' test top-1 beside each kNN monitor
-    run = common.Run(args, ctx, data, backbone, states,
-                     also=probes.top1 if probes else None)
+    # shared: the run folder; a checkpoint there is continued
+    run = common.Run(args, ctx, data, backbone, states)
+    # own: the probes' test top-1 beside each kNN monitor
+    run.also = probes.top1 if probes else None
     for epoch in run.epochs():
         for step, images, labels in run.batches(epoch):
             # own: the schedule, the augmented views, the step
@@ -473,9 +473,9 @@ def main(argv=None):
             views = augment(images, run.draws)
             loss, stats, features = train_step(
                 net, optimizer, views, args, ctx, key_encoder, queues)
-            w_alpha, w_beta, entropy, w_log_w = stats
-            if probes:  # DT's online evaluation
+            if probes:
                 probes.step(features, labels, lr / peak_lr)
+            w_alpha, w_beta, entropy, w_log_w = stats
             # the anchors' weights, how unequal (DT Eq. 4, Fig. 3)
             run.meter.update(lr, loss=loss, w_alpha=w_alpha,
                              w_beta=w_beta, r_plus_entropy=entropy,

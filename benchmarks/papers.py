@@ -30,7 +30,8 @@ SOURCES = {
 Protocol = namedtuple("Protocol", "options metrics authors text")
 PROTOCOLS = {
     # the DT paper's "Evaluation" paragraph: top-1 of the online linear evaluation, which their
-    # solo-learn fork trains on the encoder and on the momentum encoder (common.online_probes)
+    # solo-learn fork trains on the encoder and on the momentum encoder (moco_simmoco_simco.py's
+    # OnlineProbes)
     "dt": Protocol(["--online-probe"], ["online_top1", "momentum_online_top1"], True,
                    "the DT authors' online linear probes (their solo-learn fork's), on the encoder "
                    "and on the momentum encoder (MoCo v2, SimMoCo), test top-1 after the last "

@@ -207,17 +207,17 @@ def method_row(method, preset, data, device, compile_=False):
             busy = sum(e.device_time_total for e in kernels) / 1e6  # us
             s["busy"] = min(1.0, busy / wall)
 
-    evaluate, knn = common.evaluate, []
+    monitor, knn = common.Run.monitor, []
 
-    def timed_evaluate(*args, **kwargs):  # the epoch's kNN monitor, then the final one
+    def timed_monitor(*args, **kwargs):  # the epoch's kNN monitor: features, then the vote
         start = time.perf_counter()
-        result = evaluate(*args, **kwargs)
+        result = monitor(*args, **kwargs)
         knn.append(time.perf_counter() - start)
         return result
 
     with tempfile.TemporaryDirectory() as out, contextlib.ExitStack() as undo:
-        common.evaluate = timed_evaluate
-        undo.callback(setattr, common, "evaluate", evaluate)
+        common.Run.monitor = timed_monitor
+        undo.callback(setattr, common.Run, "monitor", monitor)
         if cuda:  # the progress bar on, as on a terminal: its cost and syncs counted
             hide_bar = common.hide_bar
             common.hide_bar = lambda rank: rank != 0
