@@ -264,7 +264,9 @@ def test_the_augmented_probe_runs_when_the_processes_do_not_divide_its_batch(tin
     args = harness.parse_args(smoke_args(tiny_folder, tmp_path))
     data = common.load_data(args, ctx_for(0, 1))
     backbone = common.ResNet("resnet18", 8, 16)
-    accuracy = common.linear_probe_augmented(backbone, data, ctx_for(0, 3), "gsg-cifar", epochs=1,
+    ctx = ctx_for(0, 3)
+    test = common.extract_features(backbone, data.eval_test, data, ctx, unit=False)
+    accuracy = common.linear_probe_augmented(backbone, data, ctx, "gsg-cifar", test, epochs=1,
                                              lr=30.0, batch=16)
     correct = accuracy * 6 / 100  # on rank 0's share of the 18 validation images
     assert abs(correct - round(correct)) < 1e-9
