@@ -495,9 +495,9 @@ TEXTURES = ("horizontal_stripes", "vertical_stripes", "checkerboard",
 
 @dataclass
 class Data:
-    """The pre-training set and two evaluation splits (labels -1:
-    none). Held: uint8 (N, 3, S, S) on the device, a split (images,
-    labels). Streamed (image folders): ImageFiles."""
+    """The pre-training set and two evaluation splits (label -1:
+    none), held on the device as uint8 (N, 3, S, S) and a split as
+    (images, labels), or streamed as ImageFiles."""
     train: object
     train_labels: torch.Tensor
     eval_train: object
@@ -683,13 +683,12 @@ def epoch_generators(seed, epoch, device):
 
 def quiet_worker(worker_id):
     """A DataLoader worker leaves SIGINT and SIGTERM to its process,
-    which ends it (a signal to the whole job: one line, no
-    worker's traceback)."""
+    which ends it: a signal to the whole job is one line."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # Its thread that hands tensors over reports through
-    # sys.excepthook; the job's end cutting a hand-over short is no
-    # error (the worker's own errors reach its process as data).
+    # The job's end may cut short its thread that hands tensors
+    # over, which reports to sys.excepthook (its own errors reach
+    # its process as data).
     sys.excepthook = lambda *error: None
 
 
@@ -716,9 +715,9 @@ def train_batches(data, batch_size, generator, ctx, workers=0):
 # ----------------------------------------------------------------- evaluation
 @torch.no_grad()
 def extract_features(backbone, split, data, ctx, workers=0, unit=True):
-    """Features of un-augmented images, the ranks sharing the work,
-    gathered -> (N', F), (N',), padding labelled -1. `unit`: the kNN
-    bank, L2-normalised float16 (half float32's memory)."""
+    """Un-augmented images' features, the ranks sharing the work ->
+    (N', F), (N',), padding labelled -1. `unit`: the kNN bank,
+    L2-normalised float16 (half float32's memory)."""
     was_training = backbone.training
     device = ctx.device
     held = isinstance(split, tuple)  # (images, labels)
@@ -870,7 +869,7 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs,
 def linear_probe_augmented(backbone, data, ctx, protocol, test, epochs,
                            lr, batch, seed=0, workers=0):
     """An authors' probe on the frozen backbone, crop + flip views;
-    `test`: the test split's features and labels."""
+    `test`: the test split's (features, labels)."""
     own = LINEAR_PROTOCOLS[protocol]
     if data.streaming:  # the workers crop and flip
         images = ImageFiles(data.eval_train.samples, data.image_size, crops=1)
@@ -915,9 +914,8 @@ def linear_probe_augmented(backbone, data, ctx, protocol, test, epochs,
 
 @torch.no_grad()
 def split_features(backbone, data, ctx, workers=0):
-    """-> (train_f, train_y, test_f, test_y): the kNN bank (unit
-    float16) and the test split's features (float32), each image
-    passed through the backbone once."""
+    """-> (train_f, train_y, test_f, test_y): the kNN bank and the
+    test split's float32 features."""
     train = extract_features(backbone, data.eval_train, data, ctx, workers)
     test = extract_features(
         backbone, data.eval_test, data, ctx, workers, unit=False)
@@ -925,8 +923,7 @@ def split_features(backbone, data, ctx, workers=0):
 
 
 def evaluate(features, backbone, data, ctx, args, final=False):
-    """kNN top-1 on split_features' `features`; `final`: k=1 and the
-    linear probe."""
+    """kNN top-1; `final`: k=1 and the linear probe too."""
     train_f, train_y, test_f, test_y = features
     test_unit = F.normalize(test_f, dim=1).to(train_f.dtype)
 
@@ -1024,7 +1021,6 @@ def optimizer_groups(groups):
 
 
 def pretraining_optimizer(groups, args, ctx, lr):
-    """--optimizer: SGD (momentum 0.9) or LARS."""
     if args.optimizer == "lars":
         return LARS(optimizer_groups(groups), lr, 0.9, args.wd,
                     args.lars_eta, args.lars_clip)
