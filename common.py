@@ -495,9 +495,9 @@ TEXTURES = ("horizontal_stripes", "vertical_stripes", "checkerboard",
 
 @dataclass
 class Data:
-    """The pre-training set and two evaluation splits (labels -1:
-    none). Held: uint8 (N, 3, S, S) on the device, a split (images,
-    labels). Streamed (image folders): ImageFiles."""
+    """The pre-training set and two evaluation splits (label -1:
+    none), held on the device as uint8 (N, 3, S, S) and a split as
+    (images, labels), or streamed as ImageFiles."""
     train: object
     train_labels: torch.Tensor
     eval_train: object
@@ -683,13 +683,12 @@ def epoch_generators(seed, epoch, device):
 
 def quiet_worker(worker_id):
     """A DataLoader worker leaves SIGINT and SIGTERM to its process,
-    which ends it (a signal to the whole job: one line, no
-    worker's traceback)."""
+    which ends it: a signal to the whole job is one line."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # Its thread that hands tensors over reports through
-    # sys.excepthook; the job's end cutting a hand-over short is no
-    # error (the worker's own errors reach its process as data).
+    # The job's end may cut short its thread that hands tensors
+    # over, which reports to sys.excepthook (its own errors reach
+    # its process as data).
     sys.excepthook = lambda *error: None
 
 
@@ -716,9 +715,9 @@ def train_batches(data, batch_size, generator, ctx, workers=0):
 # ----------------------------------------------------------------- evaluation
 @torch.no_grad()
 def extract_features(backbone, split, data, ctx, workers=0, unit=True):
-    """Features of un-augmented images, the ranks sharing the work,
-    gathered -> (N', F), (N',), padding labelled -1. `unit`: the kNN
-    bank, L2-normalised float16 (half float32's memory)."""
+    """Un-augmented images' features, the ranks sharing the work ->
+    (N', F), (N',), padding labelled -1. `unit`: the kNN bank,
+    L2-normalised float16 (half float32's memory)."""
     was_training = backbone.training
     device = ctx.device
     held = isinstance(split, tuple)  # (images, labels)
@@ -870,7 +869,7 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs,
 def linear_probe_augmented(backbone, data, ctx, protocol, test, epochs,
                            lr, batch, seed=0, workers=0):
     """An authors' probe on the frozen backbone, crop + flip views;
-    `test`: the test split's features and labels."""
+    `test`: the test split's (features, labels)."""
     own = LINEAR_PROTOCOLS[protocol]
     if data.streaming:  # the workers crop and flip
         images = ImageFiles(data.eval_train.samples, data.image_size, crops=1)
@@ -915,9 +914,8 @@ def linear_probe_augmented(backbone, data, ctx, protocol, test, epochs,
 
 @torch.no_grad()
 def split_features(backbone, data, ctx, workers=0):
-    """-> (train_f, train_y, test_f, test_y): the kNN bank (unit
-    float16) and the test split's features (float32), each image
-    passed through the backbone once."""
+    """-> (train_f, train_y, test_f, test_y): the kNN bank and the
+    test split's float32 features."""
     train = extract_features(backbone, data.eval_train, data, ctx, workers)
     test = extract_features(
         backbone, data.eval_test, data, ctx, workers, unit=False)
@@ -925,8 +923,7 @@ def split_features(backbone, data, ctx, workers=0):
 
 
 def evaluate(features, backbone, data, ctx, args, final=False):
-    """kNN top-1 on split_features' `features`; `final`: k=1 and the
-    linear probe."""
+    """kNN top-1; `final`: k=1 and the linear probe too."""
     train_f, train_y, test_f, test_y = features
     test_unit = F.normalize(test_f, dim=1).to(train_f.dtype)
 
@@ -1024,7 +1021,6 @@ def optimizer_groups(groups):
 
 
 def pretraining_optimizer(groups, args, ctx, lr):
-    """--optimizer: SGD (momentum 0.9) or LARS."""
     if args.optimizer == "lars":
         return LARS(optimizer_groups(groups), lr, 0.9, args.wd,
                     args.lars_eta, args.lars_clip)
@@ -1061,9 +1057,9 @@ def pending_signals():
 
 
 def run(main):
-    """main() as a command. Ctrl-C, SIGTERM: one line, exit status 128
-    + the signal. A UserError: one line, exit status 2. Any other
-    exception is a bug: its traceback."""
+    """main() as a command: Ctrl-C or SIGTERM is one line, exit
+    status 128 + the signal; a UserError one line, status 2; any
+    other exception a bug, with its traceback."""
     rank = int(os.environ.get("RANK", 0))
     previous = signal.getsignal(signal.SIGINT)
     previous = previous, signal.signal(signal.SIGTERM, stop)
@@ -1089,9 +1085,9 @@ def run(main):
         # A DataLoader worker's ends its traceback.
         message = str(error).strip().split("\n")[-1]
         message = message.split("UserError: ")[-1]
-        if rank != 0 and getattr(error, "every_rank", False):
-            sys.exit(2)
         if rank != 0:
+            if error.every_rank:
+                sys.exit(2)
             # Rank 0 speaks for all, torchrun ends the rest in this
             # wait; a rank that failed alone speaks after it.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -1153,16 +1149,13 @@ def add_common_args(parser):
            "generated CPU demo")
     a("--data-dir", default="./data", help="CIFAR/STL-10 download here")
     a("--image-size", type=positive_int, help="imagefolder's (224)")
-    # The node's cores shared among its processes (torchrun sets
-    # LOCAL_WORLD_SIZE): the streamed images' decoders.
     cores = len(os.sched_getaffinity(0))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's
     a("--workers", type=non_negative_int, default=max(1, cores // local),
       help="image folder decoders a process (the node's cores / its "
            "processes)")
     a("--limit-train", type=positive_int, help="N training images")
     a("--arch", choices=list(ResNet.LAYERS), default="resnet18")
-    # 1: ours where no authors' CIFAR stem is cited (SimCLR, GSG)
     a("--stem-padding", type=non_negative_int, default=1,
       help="of the 3x3 stem (<= 64 px)")
     a("--width", type=positive_int, default=64,
@@ -1210,8 +1203,7 @@ MAY_DIFFER = ("workers", "device", "out", "resume")
 
 
 def parse_args(parser, argv, script):
-    """The options; with --resume RUN, RUN's command line's (but
-    MAY_DIFFER's, this machine's)."""
+    """The options; with --resume RUN, RUN's own (but MAY_DIFFER's)."""
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parser.parse_args(argv)
     if args.crop_scale and args.crop_scale[0] > args.crop_scale[1]:
@@ -1240,7 +1232,6 @@ def parse_args(parser, argv, script):
 
 
 def trained_options(args):
-    """The options that decide what a run trains."""
     return {k: v for k, v in vars(args).items() if k not in MAY_DIFFER}
 
 
@@ -1259,8 +1250,7 @@ def command_line(script, argv):
 
 
 def choose_device(name, world, local_rank):
-    """--device as a torch.device: under torchrun each process takes
-    its LOCAL_RANK's GPU (or the one it is given to see)."""
+    """--device as a torch.device; under torchrun, LOCAL_RANK's GPU."""
     device = torch.device(name)
     if device.type != "cuda":
         return device
@@ -1318,11 +1308,9 @@ def setup(args):
 
 
 def open_run(args, ctx):
-    """Rank 0 looks in --out and decides, and every rank follows:
-    a new run (rank 0 writes config.json), this command's run to
-    continue (-> True), a finished one (the process ends) or
-    another command's (refused). A rank that does not see what
-    rank 0 sees stops every rank."""
+    """Rank 0 decides what --out holds and every rank follows
+    (README.md, "The run folder") -> True where the run continues.
+    A rank that does not see rank 0's folder stops every rank."""
     verdict = [None, None, None]  # config.json's text, action, refusal
     if ctx.rank == 0:
         try:
@@ -1348,17 +1336,16 @@ def open_run(args, ctx):
         seen = [None] * ctx.world
         dist.all_gather_object(seen, sees)
         if not all(seen):
-            blind = [r for r, s in enumerate(seen) if not s]
             raise UserError(
-                f"rank {blind[0]} does not see {args.out} as rank 0 "
-                f"wrote it: --out must be on a disk every node sees",
-                every_rank=True)
+                f"rank {seen.index(False)} does not see {args.out} as "
+                f"rank 0 wrote it: --out must be on a disk every node "
+                f"sees", every_rank=True)
     return action == "continue"
 
 
 def look_in(args, ctx):
-    """Rank 0's verdict on --out: [config.json's text, action,
-    None], action new, continue or finished; refused: UserError."""
+    """Rank 0's verdict: [config.json's text, action, None], the
+    action new, continue or finished; a refusal is a UserError."""
     path = os.path.join(args.out, "config.json")
     config = read_config(args.out)
     if config is not None:
@@ -1432,8 +1419,8 @@ class EpochMeter:
         if self.steps % self.every or self.bar.disable:
             return
         shown = dict(lr=f"{lr:.4g}")
-        # The loss as it was `every` steps ago, copied since: read
-        # now, a GPU's would make the host wait.
+        # The mean loss copied `every` steps ago, once it is here: a
+        # GPU's read now would make the host wait.
         if self.copied:
             loss, done = self.copied
             if done is None or done.query():
@@ -1441,8 +1428,7 @@ class EpochMeter:
         loss = torch.as_tensor(self.sums["loss"]) / self.steps
         done = None
         if loss.is_cuda:  # into pinned memory: a copy without a wait
-            pinned = torch.empty((), pin_memory=True)
-            loss = pinned.copy_(loss, non_blocking=True)
+            loss = loss.to("cpu", non_blocking=True)
             done = torch.cuda.Event()
             done.record()  # after the copy
         self.copied = (loss, done)
@@ -1481,19 +1467,11 @@ def tensors(state):
 
 
 class Run:
-    """A run folder and the loop's bookkeeping. The folder holds
-    config.json (written by open_run), metrics.jsonl (a line an
-    epoch), checkpoint.pt (written at each epoch's end: the states,
-    the epochs done, their records) and, at the end, backbone.pt
-    and results.json. A run continues from its checkpoint
-    (where open_run says so); the next epoch draws as if never
-    stopped, its generators made from (--seed, epoch). A killed
-    run loses its current epoch.
-
-    `states`: what checkpoint.pt keeps, by name (None: a part this
-    method lacks). `also`: a function of the test split's features
-    and labels -> more results, beside each kNN monitor (the DT
-    file's online probes, which set run.also)."""
+    """The run folder (README.md, "The run folder") and the loop's
+    bookkeeping. `states`: what checkpoint.pt keeps, by name (None:
+    a part this method lacks). `run.also`, which a method may set:
+    the test split's features and labels -> more results beside
+    each kNN monitor (the DT file's online probes)."""
 
     def __init__(self, args, ctx, data, backbone, states):
         self.args = args
@@ -1514,7 +1492,6 @@ class Run:
             self.load()
 
     def load(self):
-        """checkpoint.pt's states, epochs done and their records."""
         try:
             saved = torch.load(self.path, map_location="cpu",
                                weights_only=True)
@@ -1532,12 +1509,11 @@ class Run:
                        f"{self.epoch + 1}")
 
     def epochs(self):
-        """The epochs still to train."""
         return range(self.epoch, self.args.epochs)
 
     def batches(self, epoch):
-        """This epoch's (step, images, labels); meanwhile self.order,
-        self.draws are its generators, self.meter its EpochMeter."""
+        """This epoch's (step, images, labels); meanwhile self.order
+        and self.draws are its generators, self.meter its meter."""
         args = self.args
         self.order, self.draws = epoch_generators(
             args.seed, epoch, self.ctx.device)
@@ -1559,8 +1535,8 @@ class Run:
         return features, result
 
     def end_epoch(self, record):
-        """The record checked; the kNN monitor every --eval-every
-        epochs and last; metrics.jsonl, the line, checkpoint.pt."""
+        """The record checked and logged, the kNN monitor every
+        --eval-every epochs and last, checkpoint.pt."""
         states = {k: s.state_dict() for k, s in self.states.items()}
         self.check_finite(record, states)
         done = record["epoch"]
@@ -1582,8 +1558,8 @@ class Run:
         write_atomic(self.path, checkpoint)
 
     def check_finite(self, record, states):
-        """No checkpoint holds a non-finite tensor: every rank (all
-        hold the same) stops."""
+        """Every rank (all hold the same) stops at a non-finite loss
+        or state: no checkpoint holds one."""
         floats = [t for t in tensors(states) if t.is_floating_point()]
         finite = all(bool(t.isfinite().all()) for t in floats)
         if math.isfinite(record["loss"]) and finite:
