@@ -120,7 +120,8 @@ def all_reduce_sum(x):
 
 class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
     """BatchNorm over all ranks' rows in training: one collective
-    each way, no host sync (torch's SyncBatchNorm: 3 a layer)."""
+    each way, no host sync (torch's SyncBatchNorm: 3 a layer). On
+    CUDA torch's fused kernels; the CPU has none."""
 
     def _check_input_dim(self, x):  # (B, C) and (B, C, H, W) alike
         pass
@@ -128,7 +129,8 @@ class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
     def forward(self, x):
         if not self.training:
             return super().forward(x)
-        return _BatchNormStep.apply(x, self.weight, self.bias, self)
+        step = _FusedBatchNormStep if x.is_cuda else _BatchNormStep
+        return step.apply(x, self.weight, self.bias, self)
 
 
 class _BatchNormStep(torch.autograd.Function):
@@ -173,6 +175,44 @@ class _BatchNormStep(torch.autograd.Function):
         if weight is None:
             return dx.to(x.dtype), None, None, None
         return dx.to(x.dtype), sums[1], sums[0], None
+
+
+class _FusedBatchNormStep(torch.autograd.Function):
+    """_BatchNormStep in nn.SyncBatchNorm's kernels, with no mask:
+    every rank has as many rows."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, bn):
+        x = in_kernel_layout(x)
+        mean, invstd = torch.batch_norm_stats(x, bn.eps)  # (C,) each
+        stats = gather(torch.cat([mean, invstd])[None])  # (world, 2C)
+        counts = torch.full((len(stats),), x.numel() // x.shape[1],
+                            dtype=bn.running_mean.dtype, device=x.device)
+        # the global mean and 1 / std; the running ones updated
+        mean, invstd = torch.batch_norm_gather_stats_with_counts(
+            x, *stats.chunk(2, 1), bn.running_mean, bn.running_var,
+            bn.momentum, bn.eps, counts)
+        bn.num_batches_tracked.add_(1)
+        ctx.save_for_backward(x, weight, mean, invstd, counts.int())
+        return torch.batch_norm_elemt(x, weight, bias, mean, invstd, bn.eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, invstd, counts = ctx.saved_tensors
+        dy = in_kernel_layout(dy)
+        affine = weight is not None
+        # sum(dy), sum(dy (x - mean)), this rank's weight and bias
+        *sums, grad_weight, grad_bias = torch.batch_norm_backward_reduce(
+            dy, x, mean, invstd, weight, True, affine, affine)
+        sums = all_reduce_sum(torch.cat(sums)).chunk(2)
+        dx = torch.batch_norm_backward_elemt(
+            dy, x, mean, invstd, weight, *sums, counts)
+        return dx, grad_weight, grad_bias, None
+
+
+def in_kernel_layout(x):  # as nn.SyncBatchNorm gives them
+    cl = x.is_contiguous(memory_format=torch.channels_last)
+    return x if cl else x.contiguous()
 
 
 def sync_batchnorm(module, ctx):

@@ -271,6 +271,68 @@ def test_the_augmentation_on_cuda_is_the_cpus_and_draws_from_a_cuda_generator():
     torch.cuda.synchronize()
 
 
+# ------------------------------------------------------------------------------ global BatchNorm
+# Not yet measured on a GPU. On the CPU, the fused path on stand-ins for the kernels against
+# nn.BatchNorm moved float32 outputs by <= 1e-6 and weight gradients (sums of hundreds) by
+# <= 1.1e-5; a bf16 output or input gradient may round to the next bf16 (8 bits: 3.9e-3
+# relative). The bounds: float32 1e-4; bf16 outputs and input gradients 1.6e-2 (4 roundings),
+# its float32 statistics and weight gradients 1e-3.
+BATCHNORM_TOLERANCES = {"float32": (1e-4, 1e-4), "bf16": (1.6e-2, 1e-3)}
+BATCHNORM_CASES = {"2d": (32, 16, 8, 8), "1d": (64, 16)}  # the global batch, channels 16
+
+
+def batchnorm_on_cuda(case, implementation, rank=0, world=1, bf16=False):
+    """A training pass of nn.BatchNorm2d/1d or common.GlobalBatchNorm (at world > 1 as
+    common.sync_batchnorm makes it) on rank's rows of a batch on this GPU, channels_last, bf16
+    (as a convolution gives it under autocast) or float32, and the backward of a weighted sum
+    -> CPU copies of the output, its gradients, the running statistics; the output's grad_fn."""
+    shape = BATCHNORM_CASES[case]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g) * 3 + 2
+    weights = torch.randn(shape, generator=g)
+    bn = (nn.BatchNorm2d if len(shape) == 4 else nn.BatchNorm1d)(shape[1])
+    bn.weight.data.uniform_(0.5, 1.5, generator=g)
+    bn.bias.data.uniform_(-1, 1, generator=g)
+    bn = bn.cuda()
+    if implementation == "global":
+        ctx = common.Context(rank, world, rank, torch.device("cuda"), "", bf16)
+        bn = common.sync_batchnorm(nn.Sequential(bn), ctx)[0]
+        bn.__class__ = common.GlobalBatchNorm  # at world 1 too
+    rows = slice(rank * shape[0] // world, (rank + 1) * shape[0] // world)
+    x = x[rows].cuda().to(torch.bfloat16 if bf16 else torch.float32)
+    if x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    with torch.autocast("cuda", torch.bfloat16, enabled=bf16):
+        out = bn(x)
+    (out.float() * weights[rows].cuda()).sum().backward()
+    result = {"out": out, "grad_x": x.grad, "grad_w": bn.weight.grad, "grad_b": bn.bias.grad,
+              "running_mean": bn.running_mean, "running_var": bn.running_var,
+              "batches": bn.num_batches_tracked}
+    return {k: v.detach().cpu() for k, v in result.items()}, type(out.grad_fn).__name__
+
+
+@pytest.mark.parametrize("precision", ["float32", "bf16"])
+@pytest.mark.parametrize("case", BATCHNORM_CASES)
+def test_the_global_batchnorms_cuda_path_at_one_process_is_nn_batchnorm(case, precision):
+    """common.GlobalBatchNorm on CUDA at a world of 1 runs its fused path (torch's kernels:
+    batch_norm_stats, batch_norm_gather_stats_with_counts, batch_norm_elemt and the backward
+    pair) and gives nn.BatchNorm's output, of the same dtype, its input, weight and bias
+    gradients and its running statistics within BATCHNORM_TOLERANCES (absolute and relative);
+    in float32 and for a bf16 input under bf16 autocast."""
+    bf16_or_skip(precision)
+    bf16 = precision == "bf16"
+    one, _ = batchnorm_on_cuda(case, "nn", bf16=bf16)
+    fused, grad_fn = batchnorm_on_cuda(case, "global", bf16=bf16)
+    assert grad_fn == "_FusedBatchNormStepBackward"
+    assert fused["out"].dtype == one["out"].dtype
+    elementwise, statistics = BATCHNORM_TOLERANCES[precision]
+    for key, value in one.items():
+        tolerance = elementwise if key in ("out", "grad_x") else statistics
+        torch.testing.assert_close(fused[key].float(), value.float(), rtol=tolerance,
+                                   atol=tolerance, msg=key)
+
+
 # ------------------------------------------------------------------------------ 2 GPUs
 @two_gpus
 @pytest.mark.parametrize("method", METHODS)
@@ -316,6 +378,37 @@ def _worker_no_host_sync():
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     return "no sync"
+
+
+def _worker_batchnorm():
+    """Each of 2 NCCL processes: its half of each BATCHNORM_CASES batch through
+    common.GlobalBatchNorm, float32 -> batchnorm_on_cuda's results."""
+    rank = common.rank()
+    return {case: batchnorm_on_cuda(case, "global", rank, 2)[0] for case in BATCHNORM_CASES}
+
+
+@two_gpus
+def test_two_gpus_global_batchnorm_is_one_gpus_batchnorm(tmp_path, monkeypatch):
+    """float32, 2 NCCL processes of half the rows each against nn.BatchNorm on the whole batch on
+    one GPU: outputs and input gradients in rank order, the weight and bias gradients summed
+    over the ranks (DDP's average of each rank's share), the running statistics on each rank,
+    within BATCHNORM_TOLERANCES' float32 bounds."""
+    monkeypatch.setenv("DIST_BACKEND", "nccl")
+    ranks = run_distributed("test_cuda", "_worker_batchnorm", tmp_path)
+    tolerance = BATCHNORM_TOLERANCES["float32"][0]
+    for case in BATCHNORM_CASES:
+        one, _ = batchnorm_on_cuda(case, "nn")
+        got = [r[case] for r in ranks]
+        for key, value in one.items():
+            if key in ("out", "grad_x"):
+                mine = torch.cat([r[key] for r in got])
+            elif key in ("grad_w", "grad_b"):
+                mine = sum(r[key] for r in got)
+            else:
+                mine = got[1][key]
+                torch.testing.assert_close(got[0][key], mine, rtol=0, atol=0)
+            torch.testing.assert_close(mine.float(), value.float(), rtol=tolerance,
+                                       atol=tolerance, msg=f"{case} {key}")
 
 
 @two_gpus
