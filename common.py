@@ -16,6 +16,7 @@ Part 2, the run, which changes nothing a method computes:
 """
 import argparse
 import contextlib
+import datetime
 import fcntl
 import inspect
 import io
@@ -565,13 +566,15 @@ def load_data(args, ctx, crops=2):
         test = tuple(t.to(ctx.device) for t in test)
         data = Data(*train, train, test, len(TEXTURES), size, mean, std)
     elif args.dataset == "stl10":  # evaluated on the labelled splits
-        train = torchvision_split(args, ctx, limit, split="train+unlabeled")
-        labelled = torchvision_split(args, ctx, limit, split="train")
-        test = torchvision_split(args, ctx, None, split="test")
+        train, test = torchvision_splits(
+            args, ctx, dict(split="train+unlabeled"), dict(split="test"))
+        # the train split: train+unlabeled's first rows (labels >= 0)
+        labelled = int((train[1] >= 0).sum())
+        labelled = tuple(t[:labelled] for t in train)
         data = Data(*train, labelled, test, 10, size, mean, std)
     else:
-        train = torchvision_split(args, ctx, limit, train=True)
-        test = torchvision_split(args, ctx, None, train=False)
+        train, test = torchvision_splits(
+            args, ctx, dict(train=True), dict(train=False))
         classes = 100 if args.dataset == "cifar100" else 10
         data = Data(*train, train, test, classes, size, mean, std)
     if len(data) < args.batch_size:
@@ -622,31 +625,47 @@ def texture_images(seed, counts=(2000, 500), size=20):
     return splits
 
 
-def torchvision_split(args, ctx, limit, **split):
-    """CIFAR/STL-10 on the device, downloaded under a lock: one
-    process at a time, nodes sharing the folder too."""
+def torchvision_splits(args, ctx, *splits):
+    """CIFAR's or STL-10's splits on the device, the first cut to
+    --limit-train, each read once: a node's first process downloads
+    and checks (MD5) under a lock (nodes may share the folder), the
+    others wait, then read unchecked."""
     cls = getattr(torchvision.datasets, args.dataset.upper())
     root = args.data_dir
-    lock = contextlib.nullcontext()  # a read-only folder: no lock
-    with contextlib.suppress(OSError):
-        os.makedirs(root, exist_ok=True)
-        lock = open(os.path.join(root, ".download.lock"), "a")
-        fcntl.flock(lock, fcntl.LOCK_EX)  # until closed
-    with lock:
-        try:
-            cls(root, download=True, **split)
-        except Exception:  # no network, a corrupt file
-            raise UserError(
-                f"no {args.dataset} in {root}; it could not be "
-                f"downloaded: put {cls.filename} or its "
-                f"{cls.base_folder}/ there") from None
-    dataset = cls(root, download=False, **split)
-    images = torch.as_tensor(dataset.data)
-    if images.shape[-1] == 3:  # CIFAR is NHWC
-        images = images.permute(0, 3, 1, 2)
-    labels = dataset.labels if args.dataset == "stl10" else dataset.targets
-    labels = torch.as_tensor(labels)[:limit].long().to(ctx.device)
-    return images[:limit].contiguous().to(ctx.device), labels
+    sets = []
+    failed = torch.zeros(1)
+    if ctx.local_rank == 0:
+        lock = contextlib.nullcontext()  # a read-only folder: no lock
+        with contextlib.suppress(OSError):
+            os.makedirs(root, exist_ok=True)
+            lock = open(os.path.join(root, ".download.lock"), "a")
+            fcntl.flock(lock, fcntl.LOCK_EX)  # until closed
+        with lock:
+            try:
+                sets.append(cls(root, download=True, **splits[0]))
+            except Exception:  # no network, a corrupt file
+                failed += 1
+    if world_size() > 1:  # in gloo: NCCL's 10 minutes may not last
+        day = datetime.timedelta(days=1)  # a download
+        dist.all_reduce(failed, group=dist.new_group(timeout=day,
+                                                     backend="gloo"))
+    if failed.item():
+        raise UserError(
+            f"no {args.dataset} in {root}; it could not be "
+            f"downloaded: put {cls.filename} or its "
+            f"{cls.base_folder}/ there")
+    unchecked = type(cls.__name__, (cls,),
+                     {"_check_integrity": lambda self: True})
+    sets += [unchecked(root, **split) for split in splits[len(sets):]]
+    for i, dataset in enumerate(sets):
+        limit = None if i else args.limit_train
+        images = torch.as_tensor(dataset.data)[:limit]
+        if images.shape[-1] == 3:  # CIFAR is NHWC
+            images = images.permute(0, 3, 1, 2)
+        labels = dataset.labels if args.dataset == "stl10" else dataset.targets
+        labels = torch.as_tensor(labels)[:limit].long()
+        sets[i] = images.contiguous().to(ctx.device), labels.to(ctx.device)
+    return sets
 
 
 def image_folder(args, ctx, size, mean, std, crops):
