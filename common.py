@@ -360,9 +360,10 @@ class Augment:
         b = x.shape[0]
         start = rank() * b
         shape = (self.views, b * world_size(), UNIFORMS)
-        u = torch.rand(shape, generator=generator,
-                       device=generator.device, dtype=torch.float32)
-        u = u[:, start:start + b].to(self.ctx.device)  # my rows
+        # On the CPU: a GPU's torch.rand lays out a large draw by its
+        # number of SMs, so another GPU model would draw other views.
+        u = torch.rand(shape, generator=generator, dtype=torch.float32)
+        u = to_device(u[:, start:start + b], self.ctx.device)  # my rows
         crop = x.dim() == 4
         if crop:  # view after view
             x = x.repeat(self.views, 1, 1, 1)
@@ -729,13 +730,13 @@ class ImageFiles(torch.utils.data.Dataset):
         return torch.stack(views), label
 
 
-def epoch_generators(seed, epoch, device):
-    """This epoch's generators: a resumed run draws as if never
-    stopped. Order on the CPU (alike on any GPU), views on the
-    device."""
+def epoch_generators(seed, epoch):
+    """This epoch's generators, the order's and the views': a resumed
+    run draws as if never stopped. Both on the CPU: alike on any
+    machine."""
     seed = 2 * (seed * 100003 + epoch)
     order = torch.Generator().manual_seed(seed)
-    views = torch.Generator(device).manual_seed(seed + 1)
+    views = torch.Generator().manual_seed(seed + 1)
     return order, views
 
 
@@ -943,7 +944,7 @@ def linear_probe_augmented(backbone, data, ctx, protocol, epochs, lr,
         return peak * 0.1 ** passed
 
     def batches(epoch):
-        order, views = epoch_generators(seed + 1, epoch, ctx.device)
+        order, views = epoch_generators(seed + 1, epoch)
         for x, y in train_batches(probe_set, batch, order, ctx, workers):
             x = augment(x, views)[0]  # float32, as in pre-training
             with torch.no_grad(), ctx.autocast():
@@ -1524,8 +1525,7 @@ class Run:
         """This epoch's (step, images, labels); meanwhile self.order,
         self.draws are its generators, self.meter its EpochMeter."""
         args = self.args
-        self.order, self.draws = epoch_generators(
-            args.seed, epoch, self.ctx.device)
+        self.order, self.draws = epoch_generators(args.seed, epoch)
         self.meter = EpochMeter(self.ctx, epoch, args.epochs,
                                 self.steps, args.batch_size)
         batches = train_batches(self.data, args.batch_size, self.order,
