@@ -703,9 +703,8 @@ class ImageFiles(torch.utils.data.Dataset):
         self.samples = samples
         self.size = size
         self.crops = crops
+        self.scale = tuple(scale)
         self.seed = 0  # the epoch's, set by train_batches
-        crop = T.RandomResizedCrop(size, tuple(scale), antialias=True)
-        self.random = T.Compose([T.RandomHorizontalFlip(), crop])
 
     def __len__(self):
         return len(self.samples)
@@ -725,9 +724,22 @@ class ImageFiles(torch.utils.data.Dataset):
             return TF.center_crop(image, [self.size]), label
         # (epoch seed, i) alone: any rank, worker or resume
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed + i)
-            views = [self.random(image) for _ in range(self.crops)]
+            # the CPU's only: fork_rng(devices=[]) puts back no GPU's
+            torch.default_generator.manual_seed(self.seed + i)
+            views = [self.random_crop(image) for _ in range(self.crops)]
         return torch.stack(views), label
+
+    def random_crop(self, image):
+        """RandomHorizontalFlip, then RandomResizedCrop, as drawn in
+        torchvision, but only the box is resized and then flipped."""
+        flip = torch.rand(1) < 0.5
+        top, left, h, w = T.RandomResizedCrop.get_params(
+            image, self.scale, (3 / 4, 4 / 3))
+        if flip:  # the box in the image before its flip
+            left = image.shape[2] - left - w
+        box = image[:, top:top + h, left:left + w]
+        view = TF.resize(box, [self.size] * 2, antialias=True)
+        return view.flip(2) if flip else view
 
 
 def epoch_generators(seed, epoch):
@@ -820,7 +832,7 @@ def linear_classifier(dim, classes, device, seed, std=None):
     """nn.Linear from `seed` in a forked RNG: weight N(0, std), bias
     0 (0.01: MoCo's main_lincls.py), or torch's init."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)  # as ImageFiles
         layer = nn.Linear(dim, classes)
         if std is not None:
             nn.init.normal_(layer.weight, 0.0, std)

@@ -263,6 +263,30 @@ def test_no_two_generators_of_a_run_share_a_stream():
     assert len(set(firsts)) == len(firsts)
 
 
+def test_no_call_reseeds_a_generator_it_does_not_put_back(tmp_path, monkeypatch):
+    """A streamed image's crops (seeded by the epoch's seed and the image) and a linear probe's
+    initial weights (seeded by --seed) come from a seeded CPU generator inside fork_rng(devices=[]),
+    which puts back the CPU's generator only: torch.manual_seed would reseed every GPU's default
+    generator too (torch.cuda.manual_seed_all), for good. The weights are those torch.manual_seed
+    gave, and the crops the same for the same seed and image."""
+    from PIL import Image
+
+    Image.new("RGB", (24, 20), (200, 30, 60)).save(tmp_path / "image.png")
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)
+    state = torch.get_rng_state()
+    files = common.ImageFiles([(str(tmp_path / "image.png"), 0)], 16, crops=2)
+    files.seed = 5
+    crops = files[0][0]
+    layer = common.linear_classifier(8, 3, torch.device("cpu"), seed=7)
+    assert seeded == [] and torch.equal(torch.get_rng_state(), state)
+    assert crops.shape == (2, 3, 16, 16) and torch.equal(files[0][0], crops)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        expected = torch.nn.Linear(8, 3)
+    assert torch.equal(layer.weight, expected.weight) and torch.equal(layer.bias, expected.bias)
+
+
 # ------------------------------------------------------------------------------ the epoch log
 def bare_run(epochs_done):
     """A Run with only what check_finite reads: the epochs done."""
