@@ -628,9 +628,8 @@ def texture_images(seed, counts=(2000, 500), size=20):
 
 def torchvision_splits(args, ctx, *splits):
     """CIFAR's or STL-10's splits on the device, the first cut to
-    --limit-train, each read once: a node's first process downloads
-    and checks (MD5) under a lock (nodes may share the folder), the
-    others wait, then read unchecked."""
+    --limit-train, each read once; a node's first process downloads
+    and checks them, under a lock: nodes may share the folder."""
     cls = getattr(torchvision.datasets, args.dataset.upper())
     root = args.data_dir
     sets = []
@@ -646,15 +645,18 @@ def torchvision_splits(args, ctx, *splits):
                 sets.append(cls(root, download=True, **splits[0]))
             except Exception:  # no network, a corrupt file
                 failed += 1
-    if world_size() > 1:  # in gloo: NCCL's 10 minutes may not last
-        day = datetime.timedelta(days=1)  # a download
-        dist.all_reduce(failed, group=dist.new_group(timeout=day,
-                                                     backend="gloo"))
+    # The others wait here, in gloo: NCCL's 10 minutes may not
+    # last a download.
+    if world_size() > 1:
+        day = datetime.timedelta(days=1)
+        group = dist.new_group(backend="gloo", timeout=day)
+        dist.all_reduce(failed, group=group)
     if failed.item():
         raise UserError(
             f"no {args.dataset} in {root}; it could not be "
             f"downloaded: put {cls.filename} or its "
             f"{cls.base_folder}/ there")
+    # checked: no MD5 of every file again for each split
     unchecked = type(cls.__name__, (cls,),
                      {"_check_integrity": lambda self: True})
     sets += [unchecked(root, **split) for split in splits[len(sets):]]
