@@ -1,10 +1,12 @@
 """On a CUDA GPU: each method file's first step there is the CPU's step, its main() runs there as a
-user runs it (its defaults' probes, an authors' linear protocol, --compile, a resume) and makes the
-host wait for nothing; a streamed image folder; 2 GPUs train as one. Skipped without CUDA; the
+user runs it (its defaults' probes, MoCo v2's momentum probe, an authors' linear protocol,
+--compile, a resume) and makes the host wait for nothing; a streamed image folder; the global
+BatchNorm's fused kernels are nn.BatchNorm's; 2 GPUs train as one. Skipped without CUDA; the
 2-process tests need 2 GPUs. The method files are the README's quick start's
-(helpers.QUICK_START), each made tiny (helpers.tiny); the GPU check is
+(helpers.QUICK_START), each made tiny (helpers.tiny). The GPU check runs this file in two parts
+(the compile tests, named "compiled", last) beside benchmarks/speed.py:
 
-    python -m pytest -q -rs tests/test_cuda.py && python benchmarks/speed.py --device cuda
+    bash benchmarks/gpu_check.sh LOGS
 
 The step's comparison: each method's main() on the CPU (float32) and on CUDA (float32, which
 common.setup keeps free of TF32; or bf16 autocast), its first train_step given the same views
@@ -155,12 +157,21 @@ def count_syncs(method, argv, tmp_path):
     return sum("synchroniz" in str(w.message) for w in seen["warnings"]), seen["steps"]
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_main_runs_on_cuda_and_its_steps_make_the_host_wait_for_nothing(method, tmp_path):
-    """The method's main() on CUDA, tiny, with its defaults' structure (MoCo's online and
-    momentum probes on) and the moco linear protocol (crop + flip views, 1 epoch): steps 2 to 4
-    under set_sync_debug_mode("warn") count no host sync; the run folder is whole."""
-    argv = [*tiny(method), "--device", "cuda", "--linear-protocol", "moco", "--linear-epochs", "1"]
+# Each method file as its quick start runs it; then MoCo v2, whose momentum encoder, queue and
+# momentum probe the quick start's SimCo has not.
+SYNC_RUNS = {**{m: [m] for m in METHODS},
+             "mocov2": ["moco_simmoco_simco", "--method", "mocov2", "--queue-size", "64"]}
+
+
+@pytest.mark.parametrize("run", SYNC_RUNS)
+def test_main_runs_on_cuda_and_its_steps_make_the_host_wait_for_nothing(run, tmp_path):
+    """The method's main() on CUDA, tiny, with its defaults' structure (the online probe on for
+    the dual-temperature file; MoCo v2 adds the momentum probe) and the moco linear protocol
+    (crop + flip views, 1 epoch): steps 2 to 4 under set_sync_debug_mode("warn") count no host
+    sync; the run folder is whole."""
+    method, *more = SYNC_RUNS[run]
+    argv = [*tiny(method, *more), "--device", "cuda", "--linear-protocol", "moco",
+            "--linear-epochs", "1"]
     syncs, steps = count_syncs(method, argv, tmp_path)
     assert steps >= 3 and syncs == 0, f"{method}: {syncs} host syncs in {steps} steps"
     _, _, results = check_run_folder(tmp_path / "run")
