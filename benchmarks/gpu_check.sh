@@ -5,7 +5,7 @@
 #
 # Each part runs under its own time limit and writes LOGS/PART.log; a part that fails or runs
 # out of time stops nothing after it. LOGS/summary.txt gets a line a part; the exit status is 1
-# if any part failed. About 6-9 minutes on one H100 (estimated), never more than the limits'
+# if any part failed. About 7-9 minutes on one H100 (estimated), never more than the limits'
 # sum, 10 minutes. PYTHON names the interpreter (default: python). Without a CUDA GPU every
 # test skips, saying why, and the speed parts say that they did not run.
 set -u
