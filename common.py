@@ -17,6 +17,7 @@ Part 2, the run, which changes nothing a method computes:
 """
 import argparse
 import contextlib
+import datetime
 import fcntl
 import inspect
 import io
@@ -121,7 +122,8 @@ def all_reduce_sum(x):
 
 class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
     """BatchNorm over all ranks' rows in training: one collective
-    each way, no host sync (torch's SyncBatchNorm: 3 a layer)."""
+    each way, no host sync (torch's SyncBatchNorm: 3 a layer). On
+    CUDA torch's fused kernels; the CPU has none."""
 
     def _check_input_dim(self, x):  # (B, C) and (B, C, H, W) alike
         pass
@@ -129,7 +131,8 @@ class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
     def forward(self, x):
         if not self.training:
             return super().forward(x)
-        return _BatchNormStep.apply(x, self.weight, self.bias, self)
+        step = _FusedBatchNormStep if x.is_cuda else _BatchNormStep
+        return step.apply(x, self.weight, self.bias, self)
 
 
 class _BatchNormStep(torch.autograd.Function):
@@ -174,6 +177,44 @@ class _BatchNormStep(torch.autograd.Function):
         if weight is None:
             return dx.to(x.dtype), None, None, None
         return dx.to(x.dtype), sums[1], sums[0], None
+
+
+class _FusedBatchNormStep(torch.autograd.Function):
+    """_BatchNormStep in nn.SyncBatchNorm's kernels, with no mask:
+    every rank has as many rows."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, bn):
+        x = in_kernel_layout(x)
+        mean, invstd = torch.batch_norm_stats(x, bn.eps)  # (C,) each
+        stats = gather(torch.cat([mean, invstd])[None])  # (world, 2C)
+        counts = torch.full((len(stats),), x.numel() // x.shape[1],
+                            dtype=bn.running_mean.dtype, device=x.device)
+        # the global mean and 1 / std; the running ones updated
+        mean, invstd = torch.batch_norm_gather_stats_with_counts(
+            x, *stats.chunk(2, 1), bn.running_mean, bn.running_var,
+            bn.momentum, bn.eps, counts)
+        bn.num_batches_tracked.add_(1)
+        ctx.save_for_backward(x, weight, mean, invstd, counts.int())
+        return torch.batch_norm_elemt(x, weight, bias, mean, invstd, bn.eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, invstd, counts = ctx.saved_tensors
+        dy = in_kernel_layout(dy)
+        affine = weight is not None
+        # sum(dy), sum(dy (x - mean)), this rank's weight and bias
+        *sums, grad_weight, grad_bias = torch.batch_norm_backward_reduce(
+            dy, x, mean, invstd, weight, True, affine, affine)
+        sums = all_reduce_sum(torch.cat(sums)).chunk(2)
+        dx = torch.batch_norm_backward_elemt(
+            dy, x, mean, invstd, weight, *sums, counts)
+        return dx, grad_weight, grad_bias, None
+
+
+def in_kernel_layout(x):  # as nn.SyncBatchNorm gives them
+    cl = x.is_contiguous(memory_format=torch.channels_last)
+    return x if cl else x.contiguous()
 
 
 def sync_batchnorm(module, ctx):
@@ -320,9 +361,10 @@ class Augment:
         b = x.shape[0]
         start = rank() * b
         shape = (self.views, b * world_size(), UNIFORMS)
-        u = torch.rand(shape, generator=generator,
-                       device=generator.device, dtype=torch.float32)
-        u = u[:, start:start + b].to(self.ctx.device)  # my rows
+        # On the CPU: a GPU's torch.rand lays out a large draw by its
+        # number of SMs, so another GPU model would draw other views.
+        u = torch.rand(shape, generator=generator, dtype=torch.float32)
+        u = to_device(u[:, start:start + b], self.ctx.device)  # my rows
         crop = x.dim() == 4
         if crop:  # view after view
             x = x.repeat(self.views, 1, 1, 1)
@@ -526,13 +568,15 @@ def load_data(args, ctx, crops=2):
         test = tuple(t.to(ctx.device) for t in test)
         data = Data(*train, train, test, len(TEXTURES), size, mean, std)
     elif args.dataset == "stl10":  # evaluated on the labelled splits
-        train = torchvision_split(args, ctx, limit, split="train+unlabeled")
-        labelled = torchvision_split(args, ctx, limit, split="train")
-        test = torchvision_split(args, ctx, None, split="test")
+        train, test = torchvision_splits(
+            args, ctx, dict(split="train+unlabeled"), dict(split="test"))
+        # the train split: train+unlabeled's first rows (labels >= 0)
+        labelled = int((train[1] >= 0).sum())
+        labelled = tuple(t[:labelled] for t in train)
         data = Data(*train, labelled, test, 10, size, mean, std)
     else:
-        train = torchvision_split(args, ctx, limit, train=True)
-        test = torchvision_split(args, ctx, None, train=False)
+        train, test = torchvision_splits(
+            args, ctx, dict(train=True), dict(train=False))
         classes = 100 if args.dataset == "cifar100" else 10
         data = Data(*train, train, test, classes, size, mean, std)
     if len(data) < args.batch_size:
@@ -583,31 +627,49 @@ def texture_images(seed, counts=(2000, 500), size=20):
     return splits
 
 
-def torchvision_split(args, ctx, limit, **split):
-    """CIFAR/STL-10 on the device, downloaded under a lock: one
-    process at a time, nodes sharing the folder too."""
+def torchvision_splits(args, ctx, *splits):
+    """CIFAR's or STL-10's splits on the device, the first cut to
+    --limit-train, each read once; a node's first process downloads
+    and checks them, under a lock: nodes may share the folder."""
     cls = getattr(torchvision.datasets, args.dataset.upper())
     root = args.data_dir
-    lock = contextlib.nullcontext()  # a read-only folder: no lock
-    with contextlib.suppress(OSError):
-        os.makedirs(root, exist_ok=True)
-        lock = open(os.path.join(root, ".download.lock"), "a")
-        fcntl.flock(lock, fcntl.LOCK_EX)  # until closed
-    with lock:
-        try:
-            cls(root, download=True, **split)
-        except Exception:  # no network, a corrupt file
-            raise UserError(
-                f"no {args.dataset} in {root}; it could not be "
-                f"downloaded: put {cls.filename} or its "
-                f"{cls.base_folder}/ there") from None
-    dataset = cls(root, download=False, **split)
-    images = torch.as_tensor(dataset.data)
-    if images.shape[-1] == 3:  # CIFAR is NHWC
-        images = images.permute(0, 3, 1, 2)
-    labels = dataset.labels if args.dataset == "stl10" else dataset.targets
-    labels = torch.as_tensor(labels)[:limit].long().to(ctx.device)
-    return images[:limit].contiguous().to(ctx.device), labels
+    sets = []
+    failed = torch.zeros(1)
+    if ctx.local_rank == 0:
+        lock = contextlib.nullcontext()  # a read-only folder: no lock
+        with contextlib.suppress(OSError):
+            os.makedirs(root, exist_ok=True)
+            lock = open(os.path.join(root, ".download.lock"), "a")
+            fcntl.flock(lock, fcntl.LOCK_EX)  # until closed
+        with lock:
+            try:
+                sets.append(cls(root, download=True, **splits[0]))
+            except Exception:  # no network, a corrupt file
+                failed += 1
+    # The others wait here, in gloo: NCCL's 10 minutes may not
+    # last a download.
+    if world_size() > 1:
+        day = datetime.timedelta(days=1)
+        group = dist.new_group(backend="gloo", timeout=day)
+        dist.all_reduce(failed, group=group)
+    if failed.item():
+        raise UserError(
+            f"no {args.dataset} in {root}; it could not be "
+            f"downloaded: put {cls.filename} or its "
+            f"{cls.base_folder}/ there")
+    # checked: no MD5 of every file again for each split
+    unchecked = type(cls.__name__, (cls,),
+                     {"_check_integrity": lambda self: True})
+    sets += [unchecked(root, **split) for split in splits[len(sets):]]
+    for i, dataset in enumerate(sets):
+        limit = None if i else args.limit_train
+        images = torch.as_tensor(dataset.data)[:limit]
+        if images.shape[-1] == 3:  # CIFAR is NHWC
+            images = images.permute(0, 3, 1, 2)
+        labels = dataset.labels if args.dataset == "stl10" else dataset.targets
+        labels = torch.as_tensor(labels)[:limit].long()
+        sets[i] = images.contiguous().to(ctx.device), labels.to(ctx.device)
+    return sets
 
 
 def image_folder(args, ctx, size, mean, std, crops):
@@ -644,9 +706,8 @@ class ImageFiles(torch.utils.data.Dataset):
         self.samples = samples
         self.size = size
         self.crops = crops
+        self.scale = tuple(scale)
         self.seed = 0  # the epoch's, set by train_batches
-        crop = T.RandomResizedCrop(size, tuple(scale), antialias=True)
-        self.random = T.Compose([T.RandomHorizontalFlip(), crop])
 
     def __len__(self):
         return len(self.samples)
@@ -666,18 +727,31 @@ class ImageFiles(torch.utils.data.Dataset):
             return TF.center_crop(image, [self.size]), label
         # (epoch seed, i) alone: any rank, worker or resume
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed + i)
-            views = [self.random(image) for _ in range(self.crops)]
+            # the CPU's only: fork_rng(devices=[]) puts back no GPU's
+            torch.default_generator.manual_seed(self.seed + i)
+            views = [self.random_crop(image) for _ in range(self.crops)]
         return torch.stack(views), label
 
+    def random_crop(self, image):
+        """RandomHorizontalFlip, then RandomResizedCrop, as drawn in
+        torchvision, but only the box is resized and then flipped."""
+        flip = torch.rand(1) < 0.5
+        top, left, h, w = T.RandomResizedCrop.get_params(
+            image, self.scale, (3 / 4, 4 / 3))
+        if flip:  # the box in the image before its flip
+            left = image.shape[2] - left - w
+        box = image[:, top:top + h, left:left + w]
+        view = TF.resize(box, [self.size] * 2, antialias=True)
+        return view.flip(2) if flip else view
 
-def epoch_generators(seed, epoch, device):
-    """This epoch's generators: a resumed run draws as if never
-    stopped. Order on the CPU (alike on any GPU), views on the
-    device."""
+
+def epoch_generators(seed, epoch):
+    """This epoch's generators, the order's and the views': a resumed
+    run draws as if never stopped. Both on the CPU: alike on any
+    machine."""
     seed = 2 * (seed * 100003 + epoch)
     order = torch.Generator().manual_seed(seed)
-    views = torch.Generator(device).manual_seed(seed + 1)
+    views = torch.Generator().manual_seed(seed + 1)
     return order, views
 
 
@@ -772,7 +846,7 @@ def linear_classifier(dim, classes, device, seed, std=None):
     """nn.Linear from `seed` in a forked RNG: weight N(0, std), bias
     0 (0.01: MoCo's main_lincls.py), or torch's init."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)  # as ImageFiles
         layer = nn.Linear(dim, classes)
         if std is not None:
             nn.init.normal_(layer.weight, 0.0, std)
@@ -897,7 +971,7 @@ def linear_probe_augmented(backbone, data, ctx, protocol, test, epochs,
         return peak * 0.1 ** passed
 
     def batches(epoch):
-        order, views = epoch_generators(seed + 1, epoch, ctx.device)
+        order, views = epoch_generators(seed + 1, epoch)
         for x, y in train_batches(probe_set, batch, order, ctx, workers):
             x = augment(x, views)[0]  # float32, as in pre-training
             with torch.no_grad(), ctx.autocast():
@@ -1515,8 +1589,7 @@ class Run:
         """This epoch's (step, images, labels); meanwhile self.order
         and self.draws are its generators, self.meter its meter."""
         args = self.args
-        self.order, self.draws = epoch_generators(
-            args.seed, epoch, self.ctx.device)
+        self.order, self.draws = epoch_generators(args.seed, epoch)
         self.meter = EpochMeter(self.ctx, epoch, args.epochs,
                                 self.steps, args.batch_size)
         batches = train_batches(self.data, args.batch_size, self.order,

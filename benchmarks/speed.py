@@ -13,7 +13,8 @@ rows again with the script's --compile. A sync, a recompile or a loop slower tha
 bare step is said in a line of its own. Then what the host dispatches (aten ops a step, counted
 with a TorchDispatchMode: on a GPU each is a kernel launch) at 1 process and 2, and two
 baselines: common.Augment against torchvision's per-image PIL pipeline, common.LARS's step
-against torch.optim.SGD's.
+against torch.optim.SGD's. Last, on CUDA, common.GlobalBatchNorm's fused kernels against
+nn.BatchNorm2d and nn.SyncBatchNorm's kernels in a ResNet (--rows batchnorm: those alone).
 
     python benchmarks/speed.py --device cuda --compile  # real size: w64, 32 px, batch 256/512
     python benchmarks/speed.py --device cpu             # small preset: w8, 16 px, 1,024 images
@@ -250,9 +251,11 @@ class OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops = 0
+        self.collectives = 0  # of which c10d's (all_gather, all_reduce, ...)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
+        self.collectives += str(func.overloadpacket).startswith("c10d.")
         return func(*args, **(kwargs or {}))
 
 
@@ -310,22 +313,24 @@ def dispatch_row(method, device):
 def two_process_worker(rank, port, methods, out):
     """Rank `rank` of 2 gloo processes on the CPU (each method's main() joins their group):
     each method's train_step ops (a rank's, after a first step) with GlobalBatchNorm, the
-    gathers and DDP; rank 0 saves {method: ops} to `out`."""
+    gathers and DDP; rank 0 saves {method: (ops, collectives)} to `out`."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     ops = {}
     for method in methods:
         steps = dispatch_steps(method, torch.device("cpu"), 2 * DISPATCH.batch)[1]
-        ops[method] = ops_in(steps["step"])
+        with OpCounter() as counter:
+            steps["step"]()
+        ops[method] = counter.ops, counter.collectives
     if rank == 0:
         torch.save(ops, out)
     dist.destroy_process_group()
 
 
 def two_process_ops(methods):
-    """{method: train_step ops of a rank at 2 processes}, counted in 2 gloo processes on the CPU
-    whatever the device: the ops dispatched do not depend on it."""
+    """{method: (train_step ops of a rank at 2 processes, of which collectives)}, counted in 2
+    gloo processes on the CPU whatever the device: the ops dispatched do not depend on it."""
     with socket.socket() as s:  # a free port
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -389,6 +394,86 @@ def optimizer_step_ms(preset, ctx):
     return times
 
 
+# ------------------------------------------------------------------------------ global BatchNorm
+BATCHNORM_NETWORKS = [("resnet18", 32, 256), ("resnet50", 224, 128)]  # arch, px, batch (a GPU's)
+
+
+class SyncBatchNormKernels(torch.nn.BatchNorm2d):
+    """nn.SyncBatchNorm's autograd Function (its kernels, its all_gather and all_reduce, its
+    empty-rank mask, which makes the host wait) at a world of 1, where nn.SyncBatchNorm itself
+    falls back to nn.BatchNorm2d's kernels."""
+
+    def forward(self, x):
+        return torch.nn.modules._functions.SyncBatchNorm.apply(
+            x, self.weight, self.bias, self.running_mean, self.running_var, self.eps,
+            self.momentum, dist.group.WORLD, 1)
+
+
+class PlainGlobalBatchNorm(common.GlobalBatchNorm):
+    """common.GlobalBatchNorm's CPU path (plain arithmetic) on the GPU: what CUDA ran before
+    the fused kernels."""
+
+    def forward(self, x):
+        return common._BatchNormStep.apply(x, self.weight, self.bias, self)
+
+
+BATCHNORMS = {"nn.BatchNorm2d (cuDNN)": torch.nn.BatchNorm2d,
+              "nn.SyncBatchNorm's kernels": SyncBatchNormKernels,
+              "GlobalBatchNorm, fused kernels": common.GlobalBatchNorm,
+              "GlobalBatchNorm, plain arithmetic (before)": PlainGlobalBatchNorm}
+
+
+def batchnorm_row(arch, image, batch, kind, ctx):
+    """ms a forward and backward (bf16 autocast where native, channels_last, a mean as the
+    loss) of a ResNet whose every BatchNorm is `kind`, at one process, and its peak memory."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    net = common.ResNet(arch, 64, image).to(ctx.device, memory_format=torch.channels_last)
+    for m in net.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.__class__ = BATCHNORMS[kind]
+    x = torch.randn(batch, 3, image, image, device=ctx.device)
+    x = x.contiguous(memory_format=torch.channels_last)
+
+    def step():
+        with ctx.autocast():
+            loss = net(x).float().mean()
+        loss.backward()
+    ms = 1e3 * seconds_per_call(step, ctx.device, 20)
+    return ms, torch.cuda.max_memory_allocated(ctx.device) / 2 ** 30
+
+
+def batchnorm_rows(ctx, say):
+    """The BatchNorm table, or on the CPU the line saying why there is none."""
+    if ctx.device.type != "cuda":
+        say("", "No global BatchNorm rows: its fused kernels and nn.SyncBatchNorm's run on CUDA "
+            "only.")
+        return
+    say("", "Global BatchNorm at one process (a forward and backward, bf16 where native, "
+        "channels_last): ms a step and peak memory. nn.SyncBatchNorm's kernels run through "
+        "their all_gather, all_reduce and host wait at a world of 1; GlobalBatchNorm skips its "
+        "collectives there.", "",
+        markdown_row(["network, a GPU's batch", *BATCHNORMS]), "|---" * (len(BATCHNORMS) + 1) + "|")
+    started = not dist.is_initialized()  # nn.SyncBatchNorm's Function needs a process group
+    if started:
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=ctx.device)
+    try:
+        for arch, image, batch in BATCHNORM_NETWORKS:
+            cells = []
+            for kind in BATCHNORMS:
+                try:
+                    cells.append("{:.1f} ms, {:.2f} GiB".format(
+                        *batchnorm_row(arch, image, batch, kind, ctx)))
+                except Exception as error:  # one that fails says why, the others are measured
+                    cells.append(f"{type(error).__name__}: {error}"[:80])
+            say(markdown_row([f"{arch}, {image} px, {batch}", *cells]))
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
 # ------------------------------------------------------------------------------ the tables
 def markdown_row(cells):
     return "| " + " | ".join(map(str, cells)) + " |"
@@ -411,35 +496,10 @@ def warnings_of(r):
     return [f"warning: {r['method']}: {text}" for text in found]
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=list(PRESETS), default="cuda" if torch.cuda.is_available()
-                   else "cpu", help="the device and its preset")
-    p.add_argument("--methods", nargs="+", choices=list(QUICK_START), default=list(QUICK_START),
-                   help="the method files (rows), as the README's quick start names them")
-    p.add_argument("--compile", action="store_true", help="each row again with --compile")
-    p.add_argument("--out", help="also write the tables (Markdown) to this file")
-    o = p.parse_args(argv)
-    started, preset = time.perf_counter(), PRESETS[o.device]
-    if o.device == "cpu":  # one thread: on a shared CPU a descheduled second thread stalls every
-        torch.set_num_threads(1)  # small operator (measured: 2 threads 10-40x slower, load 5)
-    # this process's device as every script's: cuDNN's autotuner, bf16 where native (common.setup)
-    ctx = common.setup(argparse.Namespace(batch_size=2, device=o.device, amp=None, out=""))
-    device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else \
-        f"CPU {platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} thread(s)"
-    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip() or "n/a"
-    lines = []
-
-    def say(*new):  # printed as measured: a run stopped early keeps what it measured
-        print("\n".join(new), flush=True)
-        lines.extend(new)
-    say(f"#### speed.py: {device}, {datetime.datetime.now():%Y-%m-%d %H:%M}, torch "
-        f"{torch.__version__}, git {commit}", "",
-        f"`python benchmarks/speed.py {' '.join(sys.argv[1:] if argv is None else argv)}`: "
-        f"each script's main(), ResNet-18 w{preset.width}, {preset.image} px, {preset.train:,} + "
-        f"{preset.test:,} uint8 images held on the device, bf16 autocast "
+def method_tables(o, preset, ctx, say):
+    """The method files' rows, the ops they dispatch at 1 process and 2, the two baselines."""
+    say("", f"Each script's main(), ResNet-18 w{preset.width}, {preset.image} px, "
+        f"{preset.train:,} + {preset.test:,} uint8 images held on the device, bf16 autocast "
         f"{'on' if ctx.amp else 'off'}.", "",
         markdown_row(["method", "batch", "views", "real loop img/s", "bare step img/s", "ratio",
                       "GPU busy", f"epoch s ({preset.train:,} img)", "kNN s", "syncs / step",
@@ -479,11 +539,11 @@ def main(argv=None):
     say("", "The same train_step at 2 processes: a rank's ops, with the global BatchNorm, the "
         "gathers and DDP's all-reduce (2 gloo processes on the CPU, whatever the device: the ops "
         "do not depend on it).", "",
-        markdown_row(["method", "train_step ops, 1 process", "2 processes", "ratio"]),
-        "|---|---|---|---|")
-    for method, ops in two_process_ops(measured).items():
+        markdown_row(["method", "train_step ops, 1 process", "2 processes", "ratio",
+                      "collectives, 2 processes"]), "|---|---|---|---|---|")
+    for method, (ops, collectives) in two_process_ops(measured).items():
         say(markdown_row([method, number(one_process[method]), number(ops),
-                          f"{ops / one_process[method]:.2f}"]))
+                          f"{ops / one_process[method]:.2f}", collectives]))
     ours, pil, workers = augmentation_rates(preset, ctx)
     lars, sgd = optimizer_step_ms(preset, ctx)
     say("", markdown_row(["baseline", "ours", "theirs", "ratio"]), "|---|---|---|---|",
@@ -493,6 +553,41 @@ def main(argv=None):
                       f"{ours / pil:.1f}x"]),
         markdown_row([f"optimiser step, ResNet-18 w{preset.width}", f"common.LARS {lars:.2f} ms",
                       f"torch.optim.SGD {sgd:.2f} ms", f"{lars / sgd:.1f}x"]))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=list(PRESETS), default="cuda" if torch.cuda.is_available()
+                   else "cpu", help="the device and its preset")
+    p.add_argument("--methods", nargs="+", choices=list(QUICK_START), default=list(QUICK_START),
+                   help="the method files (rows), as the README's quick start names them")
+    p.add_argument("--compile", action="store_true", help="each row again with --compile")
+    p.add_argument("--out", help="also write the tables (Markdown) to this file")
+    p.add_argument("--rows", choices=["all", "methods", "batchnorm"], default="all",
+                   help="methods: all but the global BatchNorm's; batchnorm: those alone")
+    o = p.parse_args(argv)
+    started, preset = time.perf_counter(), PRESETS[o.device]
+    if o.device == "cpu":  # one thread: on a shared CPU a descheduled second thread stalls every
+        torch.set_num_threads(1)  # small operator (measured: 2 threads 10-40x slower, load 5)
+    # this process's device as every script's: cuDNN's autotuner, bf16 where native (common.setup)
+    ctx = common.setup(argparse.Namespace(batch_size=2, device=o.device, amp=None, out=""))
+    device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else \
+        f"CPU {platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} thread(s)"
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip() or "n/a"
+    lines = []
+
+    def say(*new):  # printed as measured: a run stopped early keeps what it measured
+        print("\n".join(new), flush=True)
+        lines.extend(new)
+    say(f"#### speed.py: {device}, {datetime.datetime.now():%Y-%m-%d %H:%M}, torch "
+        f"{torch.__version__}, git {commit}", "",
+        f"`python benchmarks/speed.py {' '.join(sys.argv[1:] if argv is None else argv)}`.")
+    if o.rows != "batchnorm":
+        method_tables(o, preset, ctx, say)
+    if o.rows != "methods":
+        batchnorm_rows(ctx, say)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
     say("", f"{time.perf_counter() - started:.0f} s in all; peak RSS of the process {rss:.2f} "
         f"GiB; load average {os.getloadavg()[0]:.1f}.")

@@ -230,7 +230,7 @@ def epoch_draws(seed, epoch):
     views of the same 16 images (the train set's first), so that views that differ come from
     other draws, not other images."""
     data = held_data()
-    order, generator = common.epoch_generators(seed, epoch, torch.device("cpu"))
+    order, generator = common.epoch_generators(seed, epoch)
     labels = torch.cat([labels for _, labels in common.train_batches(data, 16, order, ONE_PROCESS)])
     augment = Augment([Recipe(), Recipe(blur_p=0.5)], 8, data.mean, data.std, ONE_PROCESS)
     return labels, augment(data.train[:16], generator)
@@ -252,12 +252,39 @@ def test_each_epoch_draws_its_own_order_and_views_and_the_same_epoch_the_same_on
 
 def test_no_two_generators_of_a_run_share_a_stream():
     """Over 50 epochs the order and augmentation generators of every epoch start with draws of
-    their own (an epoch's augmentation must not replay another epoch's order draws)."""
+    their own (an epoch's augmentation must not replay another epoch's order draws). Both are
+    the CPU's, whatever the device: a GPU's torch.rand lays out a large draw by its number of
+    SMs, so views drawn there would differ from one GPU model to another."""
     firsts = []
     for epoch in range(50):
-        for generator in common.epoch_generators(0, epoch, torch.device("cpu")):
+        for generator in common.epoch_generators(0, epoch):
+            assert generator.device.type == "cpu"
             firsts.append(tuple(torch.rand(4, generator=generator).tolist()))
     assert len(set(firsts)) == len(firsts)
+
+
+def test_no_call_reseeds_a_generator_it_does_not_put_back(tmp_path, monkeypatch):
+    """A streamed image's crops (seeded by the epoch's seed and the image) and a linear probe's
+    initial weights (seeded by --seed) come from a seeded CPU generator inside fork_rng(devices=[]),
+    which puts back the CPU's generator only: torch.manual_seed would reseed every GPU's default
+    generator too (torch.cuda.manual_seed_all), for good. The weights are those torch.manual_seed
+    gave, and the crops the same for the same seed and image."""
+    from PIL import Image
+
+    Image.new("RGB", (24, 20), (200, 30, 60)).save(tmp_path / "image.png")
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)
+    state = torch.get_rng_state()
+    files = common.ImageFiles([(str(tmp_path / "image.png"), 0)], 16, crops=2)
+    files.seed = 5
+    crops = files[0][0]
+    layer = common.linear_classifier(8, 3, torch.device("cpu"), seed=7)
+    assert seeded == [] and torch.equal(torch.get_rng_state(), state)
+    assert crops.shape == (2, 3, 16, 16) and torch.equal(files[0][0], crops)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        expected = torch.nn.Linear(8, 3)
+    assert torch.equal(layer.weight, expected.weight) and torch.equal(layer.bias, expected.bias)
 
 
 # ------------------------------------------------------------------------------ the epoch log

@@ -1,10 +1,12 @@
 """On a CUDA GPU: each method file's first step there is the CPU's step, its main() runs there as a
-user runs it (its defaults' probes, an authors' linear protocol, --compile, a resume) and makes the
-host wait for nothing; a streamed image folder; 2 GPUs train as one. Skipped without CUDA; the
+user runs it (its defaults' probes, MoCo v2's momentum probe, an authors' linear protocol,
+--compile, a resume) and makes the host wait for nothing; a streamed image folder; the global
+BatchNorm's fused kernels are nn.BatchNorm's; 2 GPUs train as one. Skipped without CUDA; the
 2-process tests need 2 GPUs. The method files are the README's quick start's
-(helpers.QUICK_START), each made tiny (helpers.tiny); the GPU check is
+(helpers.QUICK_START), each made tiny (helpers.tiny). The GPU check runs this file in two parts
+(the compile tests, named "compiled", last) beside benchmarks/speed.py:
 
-    python -m pytest -q -rs tests/test_cuda.py && python benchmarks/speed.py --device cuda
+    bash benchmarks/gpu_check.sh LOGS
 
 The step's comparison: each method's main() on the CPU (float32) and on CUDA (float32, which
 common.setup keeps free of TF32; or bf16 autocast), its first train_step given the same views
@@ -155,12 +157,21 @@ def count_syncs(method, argv, tmp_path):
     return sum("synchroniz" in str(w.message) for w in seen["warnings"]), seen["steps"]
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_main_runs_on_cuda_and_its_steps_make_the_host_wait_for_nothing(method, tmp_path):
-    """The method's main() on CUDA, tiny, with its defaults' structure (MoCo's online and
-    momentum probes on) and the moco linear protocol (crop + flip views, 1 epoch): steps 2 to 4
-    under set_sync_debug_mode("warn") count no host sync; the run folder is whole."""
-    argv = [*tiny(method), "--device", "cuda", "--linear-protocol", "moco", "--linear-epochs", "1"]
+# Each method file as its quick start runs it; then MoCo v2, whose momentum encoder, queue and
+# momentum probe the quick start's SimCo has not.
+SYNC_RUNS = {**{m: [m] for m in METHODS},
+             "mocov2": ["moco_simmoco_simco", "--method", "mocov2", "--queue-size", "64"]}
+
+
+@pytest.mark.parametrize("run", SYNC_RUNS)
+def test_main_runs_on_cuda_and_its_steps_make_the_host_wait_for_nothing(run, tmp_path):
+    """The method's main() on CUDA, tiny, with its defaults' structure (the online probe on for
+    the dual-temperature file; MoCo v2 adds the momentum probe) and the moco linear protocol
+    (crop + flip views, 1 epoch): steps 2 to 4 under set_sync_debug_mode("warn") count no host
+    sync; the run folder is whole."""
+    method, *more = SYNC_RUNS[run]
+    argv = [*tiny(method, *more), "--device", "cuda", "--linear-protocol", "moco",
+            "--linear-epochs", "1"]
     syncs, steps = count_syncs(method, argv, tmp_path)
     assert steps >= 3 and syncs == 0, f"{method}: {syncs} host syncs in {steps} steps"
     _, _, results = check_run_folder(tmp_path / "run")
@@ -244,24 +255,22 @@ def augment_on(device):
     return augment, images.to(device)
 
 
-def test_the_augmentation_on_cuda_is_the_cpus_and_draws_from_a_cuda_generator():
-    """Given the same draws (a CPU generator), common.Augment's views on CUDA are the CPU's within
-    1e-4 (bilinear sampling and the hue's divisions round differently), channels_last; with a
-    CUDA generator, as main() gives it (common.epoch_generators), the views are finite, the same
-    for the same seed, and one call under set_sync_debug_mode("error") makes the host wait for
-    nothing."""
+def test_the_augmentation_on_cuda_is_the_cpus_and_makes_the_host_wait_for_nothing():
+    """From the same CPU generator (common.epoch_generators': the draws are made on the CPU, so
+    alike on any GPU model, and copied from pinned memory), common.Augment's views on CUDA are
+    the CPU's within 1e-4 (bilinear sampling and the hue's divisions round differently),
+    channels_last, the same for the same seed; one call under set_sync_debug_mode("error")
+    makes the host wait for nothing."""
     cpu, images = augment_on("cpu")
     cuda, _ = augment_on("cuda")
-    expected = cpu(images, torch.Generator().manual_seed(1))
-    views = cuda(images.cuda(), torch.Generator().manual_seed(1))
-    for view, reference in zip(views, expected):
+    expected = cpu(images, common.epoch_generators(0, 0)[1])
+    views = cuda(images.cuda(), common.epoch_generators(0, 0)[1])
+    again = cuda(images.cuda(), common.epoch_generators(0, 0)[1])
+    for view, reference, same in zip(views, expected, again):
         assert view.is_contiguous(memory_format=torch.channels_last)
         torch.testing.assert_close(view.cpu(), reference, rtol=0, atol=1e-4)
-    _, generator = common.epoch_generators(0, 0, torch.device("cuda"))
-    first = cuda(images.cuda(), generator)
-    again = cuda(images.cuda(), common.epoch_generators(0, 0, torch.device("cuda"))[1])
-    for a, b in zip(first, again):
-        assert torch.equal(a, b) and bool(a.isfinite().all())
+        assert torch.equal(view, same)
+    _, generator = common.epoch_generators(0, 0)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -269,6 +278,68 @@ def test_the_augmentation_on_cuda_is_the_cpus_and_draws_from_a_cuda_generator():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------ global BatchNorm
+# Not yet measured on a GPU. On the CPU, the fused path on stand-ins for the kernels against
+# nn.BatchNorm moved float32 outputs by <= 1e-6 and weight gradients (sums of hundreds) by
+# <= 1.1e-5; a bf16 output or input gradient may round to the next bf16 (8 bits: 3.9e-3
+# relative). The bounds: float32 1e-4; bf16 outputs and input gradients 1.6e-2 (4 roundings),
+# its float32 statistics and weight gradients 1e-3.
+BATCHNORM_TOLERANCES = {"float32": (1e-4, 1e-4), "bf16": (1.6e-2, 1e-3)}
+BATCHNORM_CASES = {"2d": (32, 16, 8, 8), "1d": (64, 16)}  # the global batch, channels 16
+
+
+def batchnorm_on_cuda(case, implementation, rank=0, world=1, bf16=False):
+    """A training pass of nn.BatchNorm2d/1d or common.GlobalBatchNorm (at world > 1 as
+    common.sync_batchnorm makes it) on rank's rows of a batch on this GPU, channels_last, bf16
+    (as a convolution gives it under autocast) or float32, and the backward of a weighted sum
+    -> CPU copies of the output, its gradients, the running statistics; the output's grad_fn."""
+    shape = BATCHNORM_CASES[case]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g) * 3 + 2
+    weights = torch.randn(shape, generator=g)
+    bn = (nn.BatchNorm2d if len(shape) == 4 else nn.BatchNorm1d)(shape[1])
+    bn.weight.data.uniform_(0.5, 1.5, generator=g)
+    bn.bias.data.uniform_(-1, 1, generator=g)
+    bn = bn.cuda()
+    if implementation == "global":
+        ctx = common.Context(rank, world, rank, torch.device("cuda"), "", bf16)
+        bn = common.sync_batchnorm(nn.Sequential(bn), ctx)[0]
+        bn.__class__ = common.GlobalBatchNorm  # at world 1 too
+    rows = slice(rank * shape[0] // world, (rank + 1) * shape[0] // world)
+    x = x[rows].cuda().to(torch.bfloat16 if bf16 else torch.float32)
+    if x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    with torch.autocast("cuda", torch.bfloat16, enabled=bf16):
+        out = bn(x)
+    (out.float() * weights[rows].cuda()).sum().backward()
+    result = {"out": out, "grad_x": x.grad, "grad_w": bn.weight.grad, "grad_b": bn.bias.grad,
+              "running_mean": bn.running_mean, "running_var": bn.running_var,
+              "batches": bn.num_batches_tracked}
+    return {k: v.detach().cpu() for k, v in result.items()}, type(out.grad_fn).__name__
+
+
+@pytest.mark.parametrize("precision", ["float32", "bf16"])
+@pytest.mark.parametrize("case", BATCHNORM_CASES)
+def test_the_global_batchnorms_cuda_path_at_one_process_is_nn_batchnorm(case, precision):
+    """common.GlobalBatchNorm on CUDA at a world of 1 runs its fused path (torch's kernels:
+    batch_norm_stats, batch_norm_gather_stats_with_counts, batch_norm_elemt and the backward
+    pair) and gives nn.BatchNorm's output, of the same dtype, its input, weight and bias
+    gradients and its running statistics within BATCHNORM_TOLERANCES (absolute and relative);
+    in float32 and for a bf16 input under bf16 autocast."""
+    bf16_or_skip(precision)
+    bf16 = precision == "bf16"
+    one, _ = batchnorm_on_cuda(case, "nn", bf16=bf16)
+    fused, grad_fn = batchnorm_on_cuda(case, "global", bf16=bf16)
+    assert grad_fn == "_FusedBatchNormStepBackward"
+    assert fused["out"].dtype == one["out"].dtype
+    elementwise, statistics = BATCHNORM_TOLERANCES[precision]
+    for key, value in one.items():
+        tolerance = elementwise if key in ("out", "grad_x") else statistics
+        torch.testing.assert_close(fused[key].float(), value.float(), rtol=tolerance,
+                                   atol=tolerance, msg=key)
 
 
 # ------------------------------------------------------------------------------ 2 GPUs
@@ -316,6 +387,37 @@ def _worker_no_host_sync():
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     return "no sync"
+
+
+def _worker_batchnorm():
+    """Each of 2 NCCL processes: its half of each BATCHNORM_CASES batch through
+    common.GlobalBatchNorm, float32 -> batchnorm_on_cuda's results."""
+    rank = common.rank()
+    return {case: batchnorm_on_cuda(case, "global", rank, 2)[0] for case in BATCHNORM_CASES}
+
+
+@two_gpus
+def test_two_gpus_global_batchnorm_is_one_gpus_batchnorm(tmp_path, monkeypatch):
+    """float32, 2 NCCL processes of half the rows each against nn.BatchNorm on the whole batch on
+    one GPU: outputs and input gradients in rank order, the weight and bias gradients summed
+    over the ranks (DDP's average of each rank's share), the running statistics on each rank,
+    within BATCHNORM_TOLERANCES' float32 bounds."""
+    monkeypatch.setenv("DIST_BACKEND", "nccl")
+    ranks = run_distributed("test_cuda", "_worker_batchnorm", tmp_path)
+    tolerance = BATCHNORM_TOLERANCES["float32"][0]
+    for case in BATCHNORM_CASES:
+        one, _ = batchnorm_on_cuda(case, "nn")
+        got = [r[case] for r in ranks]
+        for key, value in one.items():
+            if key in ("out", "grad_x"):
+                mine = torch.cat([r[key] for r in got])
+            elif key in ("grad_w", "grad_b"):
+                mine = sum(r[key] for r in got)
+            else:
+                mine = got[1][key]
+                torch.testing.assert_close(got[0][key], mine, rtol=0, atol=0)
+            torch.testing.assert_close(mine.float(), value.float(), rtol=tolerance,
+                                       atol=tolerance, msg=f"{case} {key}")
 
 
 @two_gpus

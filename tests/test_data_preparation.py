@@ -1,5 +1,6 @@
-"""Preparing CIFAR/STL-10 on a cluster: nodes sharing --data-dir download into it one at a time.
-The download is a fake (the dataset class monkeypatched): what is tested is the lock around it."""
+"""Preparing CIFAR/STL-10 on a cluster: nodes sharing --data-dir download into it one at a time,
+and on a node the first process downloads while the others wait. The download is a fake (the
+dataset class monkeypatched): what is tested is the lock and the wait around it."""
 
 import argparse
 import os
@@ -11,6 +12,7 @@ import torch
 import torchvision
 
 import common
+from helpers import run_distributed
 
 
 class FakeCIFAR10:
@@ -19,6 +21,7 @@ class FakeCIFAR10:
 
     filename, base_folder = "cifar-10-python.tar.gz", "cifar-10-batches-py"
     downloads = []  # (start, end) of each download=True call
+    reads = []  # when each download=False call began
 
     def __init__(self, root, train=True, download=False):
         if download:
@@ -26,11 +29,13 @@ class FakeCIFAR10:
             os.makedirs(os.path.join(root, self.base_folder), exist_ok=True)
             time.sleep(0.3)
             self.downloads.append((start, time.monotonic()))
+        else:
+            self.reads.append(time.monotonic())
         self.data, self.targets = np.zeros((4, 32, 32, 3), np.uint8), [0, 1, 2, 3]
 
 
 def cifar_args(data_dir):
-    return argparse.Namespace(dataset="cifar10", data_dir=str(data_dir))
+    return argparse.Namespace(dataset="cifar10", data_dir=str(data_dir), limit_train=None)
 
 
 def test_nodes_sharing_a_data_dir_download_one_at_a_time(tmp_path, monkeypatch):
@@ -44,7 +49,7 @@ def test_nodes_sharing_a_data_dir_download_one_at_a_time(tmp_path, monkeypatch):
 
     def prepare():
         start.wait()
-        images, _ = common.torchvision_split(cifar_args(tmp_path), ctx, None, train=True)
+        (images, _), = common.torchvision_splits(cifar_args(tmp_path), ctx, dict(train=True))
         shapes.append(images.shape)
     nodes = [threading.Thread(target=prepare) for _ in range(2)]
     for node in nodes:
@@ -54,3 +59,25 @@ def test_nodes_sharing_a_data_dir_download_one_at_a_time(tmp_path, monkeypatch):
     assert shapes == [(4, 3, 32, 32)] * 2
     (_, first_end), (second_start, _) = sorted(FakeCIFAR10.downloads)
     assert first_end <= second_start, "the two downloads overlapped"
+
+
+def _worker_node(data_dir):
+    """A node's 2 processes prepare CIFAR-10's two splits -> (the download=True calls' (start,
+    end), the download=False calls' starts), on this rank, with time.monotonic (one clock for
+    the processes of a machine)."""
+    torchvision.datasets.CIFAR10 = FakeCIFAR10
+    rank = common.rank()
+    ctx = common.Context(rank, 2, rank, torch.device("cpu"), out="", amp=False)
+    common.torchvision_splits(cifar_args(data_dir), ctx, dict(train=True), dict(train=False))
+    return FakeCIFAR10.downloads, FakeCIFAR10.reads
+
+
+def test_on_a_node_the_first_process_downloads_and_the_others_wait(tmp_path):
+    """2 processes of a node (LOCAL_RANK 0 and 1): the first downloads once (0.3 s, its first
+    split) and reads its second split; the other downloads nothing and reads both splits only
+    after that download ended."""
+    (first_downloads, first_reads), (downloads, reads) = run_distributed(
+        "test_data_preparation", "_worker_node", tmp_path, str(tmp_path / "data"))
+    assert len(first_downloads) == 1 and len(first_reads) == 1
+    assert downloads == [] and len(reads) == 2
+    assert min(reads) >= first_downloads[0][1], "a read began before the download ended"

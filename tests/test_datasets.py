@@ -7,6 +7,7 @@ MD5 check. Everything after that is the real loading code and a real training ru
 
 import os
 import pickle
+import sys
 
 import numpy as np
 import pytest
@@ -117,6 +118,42 @@ def test_stl10_pretrains_on_train_plus_unlabeled_and_evaluates_on_labelled_split
         96,
         96,
     )
+
+
+@pytest.mark.parametrize("dataset, write, checks", [("cifar10", "write_cifar10", 2),
+                                                     ("stl10", "write_stl10", 1)])
+def test_each_split_is_read_once_and_the_files_checked_once_a_node(dataset, write, checks,
+                                                                   tmp_path, monkeypatch):
+    """common.load_data with torchvision's own classes: a node's first process (LOCAL_RANK 0)
+    and any other construct the data set twice (CIFAR: train, test; STL-10: train+unlabeled,
+    whose first rows are the train split, and test), and only the first process checks the
+    files' MD5 while constructing its first split: torchvision's download=True checks them all
+    (CIFAR's then again). Before: CIFAR 4 constructions and 6 checks of every file on every
+    process, STL-10 6 and 6."""
+    root = globals()[write](str(tmp_path))
+    cls = getattr(torchvision.datasets, dataset.upper())
+    files = [name for name, _ in cls.train_list + cls.test_list]
+    counts = {"constructions": 0, "file checks": 0}
+    init = cls.__init__
+
+    def construct(self, *args, **kwargs):
+        counts["constructions"] += 1
+        init(self, *args, **kwargs)
+
+    def check(path, md5=None):  # the fakes' MD5s are not the real files'
+        counts["file checks"] += os.path.basename(path) in files  # not CIFAR's label names
+        return True
+
+    monkeypatch.setattr(cls, "__init__", construct)
+    monkeypatch.setattr(sys.modules[cls.__module__], "check_integrity", check)
+    args = harness.parse_args(["--dataset", dataset, "--data-dir", root, "--device", "cpu",
+                               "--batch-size", "8"])
+    for local_rank, file_checks in ((0, checks * len(files)), (1, 0)):
+        counts.update(dict.fromkeys(counts, 0))
+        ctx = common.Context(local_rank, 1, local_rank, torch.device("cpu"), out="", amp=False)
+        data = common.load_data(args, ctx)
+        assert counts == {"constructions": 2, "file checks": file_checks}, (local_rank, counts)
+        assert data.eval_test[0].shape[0] in (10, 20)  # the fakes' test splits
 
 
 def test_textures_are_generated_from_the_seed():

@@ -2,10 +2,14 @@
 process: at 2 gloo processes it is one process's
 BatchNorm on the global batch, as today's readable math below was;
 it costs what a BatchNorm costs; under bf16 autocast it returns
-what nn's returns, so bf16 at 2 processes is bf16 at one.
+what nn's returns, so bf16 at 2 processes is bf16 at one. Its CUDA
+path, in torch's fused kernels (which have no CPU version), runs
+here on stand-ins written from their CUDA sources' arithmetic: that
+checks what it passes them; tests/test_cuda.py runs the kernels.
 
 One torchrun run serves every test here (a start costs seconds)."""
 import collections
+from unittest import mock
 
 import pytest
 import torch
@@ -25,6 +29,8 @@ CASES = {  # the layer, the global batch, affine
 # the bounds are 4 and 8 of bf16's roundings (8 bits: 3.9e-3)
 BF16_LOSS = 1.6e-2
 BF16_GRADIENTS = 3.1e-2
+# the CPU's, its CUDA path on the kernels' stand-ins, the readable math
+IMPLEMENTATIONS = ["global", "fused", "reference"]
 
 
 def reference_batchnorm(bn, x):
@@ -51,6 +57,60 @@ def reference_batchnorm(bn, x):
     return x * bn.weight.view(shape) + bn.bias.view(shape)
 
 
+def per_channel(x, t):
+    """A (C,) tensor shaped to broadcast over x (B, C, ...)."""
+    return t.view([1, -1] + [1] * (x.dim() - 2))
+
+
+def sums(x):
+    """Sums over every dimension but the channels'."""
+    return x.sum([d for d in range(x.dim()) if d != 1])
+
+
+# torch's fused BatchNorm kernels (CUDA only) on the CPU, by their
+# CUDA sources' arithmetic (aten/src/ATen/native/cuda/Normalization.cuh)
+def batch_norm_stats(x, eps):
+    var, mean = torch.var_mean(x, [d for d in range(x.dim()) if d != 1],
+                               correction=0)
+    return mean, (var + eps).rsqrt()
+
+
+def batch_norm_gather_stats_with_counts(x, means, invstds, running_mean,
+                                        running_var, momentum, eps, counts):
+    assert counts.dtype == running_mean.dtype and len(counts) == len(means)
+    n, weights = counts.sum(), counts[:, None] / counts.sum()
+    mean = (weights * means).sum(0)  # (C,)
+    var = (weights * (invstds ** -2 - eps + (means - mean) ** 2)).sum(0)
+    running_mean.lerp_(mean, momentum)
+    running_var.lerp_(var * n / (n - 1), momentum)
+    return mean, (var + eps).rsqrt()
+
+
+def batch_norm_elemt(x, weight, bias, mean, invstd, eps):
+    y = (x - per_channel(x, mean)) * per_channel(x, invstd)
+    return y if weight is None else y * per_channel(x, weight) + per_channel(x, bias)
+
+
+def batch_norm_backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
+    sum_dy, sum_dy_xmu = sums(dy), sums(dy * (x - per_channel(x, mean)))
+    return (sum_dy, sum_dy_xmu, sum_dy_xmu * invstd if weight_g else None,
+            sum_dy if bias_g else None)
+
+
+def batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, counts):
+    assert counts.dtype == torch.int32
+    n = counts.sum()
+    x_hat = (x - per_channel(x, mean)) * per_channel(x, invstd)
+    dx = dy - per_channel(x, sum_dy / n) - x_hat * per_channel(x, sum_dy_xmu * invstd / n)
+    scale = invstd if weight is None else invstd * weight
+    return dx * per_channel(x, scale)
+
+
+KERNELS = {f.__name__: f for f in (
+    batch_norm_stats, batch_norm_gather_stats_with_counts, batch_norm_elemt,
+    batch_norm_backward_reduce, batch_norm_backward_elemt)}
+
+
 def ctx_for(rank, world, amp=False):
     return common.Context(rank, world, 0, torch.device("cpu"), "", amp)
 
@@ -70,11 +130,14 @@ def batchnorm_step(case, implementation, rank, world):
     bn = common.sync_batchnorm(nn.Sequential(bn), ctx_for(rank, world))[0]
     rows = slice(rank * shape[0] // world, (rank + 1) * shape[0] // world)
     x = x[rows].clone().requires_grad_()
-    if implementation == "reference":
-        out = reference_batchnorm(bn, x)
-    else:
-        out = bn(x)
-    (out * weights[rows]).sum().backward()
+    with mock.patch.multiple(torch, **KERNELS):  # "fused" alone calls them
+        if implementation == "reference":
+            out = reference_batchnorm(bn, x)
+        elif implementation == "fused":  # the CUDA path
+            out = common._FusedBatchNormStep.apply(x, bn.weight, bn.bias, bn)
+        else:
+            out = bn(x)
+        (out * weights[rows]).sum().backward()
     result = {"out": out.detach(), "grad_x": x.grad,
               "running_mean": bn.running_mean.clone(),
               "running_var": bn.running_var.clone(),
@@ -136,7 +199,7 @@ def bf16_network(world, rank):
 def _worker():
     rank = common.rank()
     results = {"cases": {(c, i): batchnorm_step(c, i, rank, WORLD)
-                         for c in CASES for i in ("global", "reference")}}
+                         for c in CASES for i in IMPLEMENTATIONS}}
     # the issue's size, (8, 16, 6, 6) on each rank
     x = torch.randn(8, 16, 6, 6)
     synced = common.sync_batchnorm(
@@ -154,7 +217,7 @@ def ranks(tmp_path_factory):
         "test_global_batchnorm", "_worker", tmp_path_factory.mktemp("bn"))
 
 
-@pytest.mark.parametrize("implementation", ["global", "reference"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("case", CASES)
 def test_two_processes_equal_one_batchnorm_on_the_global_batch(
         ranks, case, implementation):

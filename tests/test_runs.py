@@ -177,7 +177,7 @@ def _worker_stream(same_dir):
     """Each rank's first streamed batch of one image repeated."""
     ctx = common.Context(common.rank(), 2, 0, torch.device("cpu"), "", False)
     streamed = common.load_data(_args(same_dir, "--workers", "1"), ctx)
-    order = common.epoch_generators(0, 0, "cpu")[0]
+    order = common.epoch_generators(0, 0)[0]
     images, _ = next(common.train_batches(streamed, 8, order, ctx, 1))
     return images
 

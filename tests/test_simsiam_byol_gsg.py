@@ -91,12 +91,12 @@ def test_random_stopgrad_hits_each_case_a_quarter_of_the_time_and_is_seeded():
     freq = torch.bincount(case, minlength=4).double() / len(case)
     torch.testing.assert_close(freq, torch.full((4,), 0.25, dtype=torch.float64), rtol=0, atol=0.01)
     ctx = common.Context(0, 1, 0, torch.device("cpu"), out=None, amp=False)
-    draws = [gsg.draw_pairing(64, "random", common.epoch_generators(7, 3, "cpu")[0], ctx)
+    draws = [gsg.draw_pairing(64, "random", common.epoch_generators(7, 3)[0], ctx)
              for _ in range(2)]
     torch.testing.assert_close(draws[0][0], draws[1][0], rtol=0, atol=0)
     torch.testing.assert_close(draws[0][1], draws[1][1], rtol=0, atol=0)
     # each of 2 ranks gets its own rows of the one global draw, partners and cases alike
-    ranks = [gsg.draw_pairing(64, "random", common.epoch_generators(7, 3, "cpu")[0],
+    ranks = [gsg.draw_pairing(64, "random", common.epoch_generators(7, 3)[0],
                               common.Context(r, 2, 0, torch.device("cpu"), out=None, amp=False))
              for r in range(2)]
     for k in range(2):
@@ -225,7 +225,7 @@ def test_partners_views_are_its_crops_2_and_3_not_its_own_pair_and_the_loss_uses
                               crop_scale=[0.2, 1.0])
     images = torch.randint(0, 256, (8, 3, 20, 24), dtype=torch.uint8)
     augment = common.Augment(gsg.recipes(args), 16, (0.5,) * 3, (0.25,) * 3, CPU)
-    generator = common.epoch_generators(0, 0, "cpu")[0]
+    generator = common.epoch_generators(0, 0)[0]
     views = augment(images, generator)
     for own in (0, 1):
         for fresh in (2, 3):

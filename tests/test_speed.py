@@ -67,12 +67,15 @@ def test_a_step_at_two_processes_costs_at_most_3_2_times_its_ops_at_one(tables):
     """Issue 45: speed.py shows train_step's ops at 2 gloo processes beside 1 (the global
     BatchNorm, the gathers, DDP), so the GPU check sees their cost. Each method's 1-process count
     is the ops table's (rest + bare), and its 2-process count at most 3.2 times it: measured 2.16
-    (SimCLR) to 2.82 (NNCLR); before the global BatchNorm's autograd Function 3.72 to 5.51."""
+    (SimCLR) to 2.82 (NNCLR); before the global BatchNorm's autograd Function 3.72 to 5.51. The
+    table counts the collectives among them too (measured: 46 for SimCLR to 192 for GSG's four
+    crops)."""
     _, ops, two = method_rows(tables)
-    for cells, (name, one, both, ratio) in zip(ops, two):
+    for cells, (name, one, both, ratio, collectives) in zip(ops, two):
         one = int(one.replace(",", ""))
         assert one == int(cells[3].replace(",", "")) + int(cells[4].replace(",", ""))
         assert one < int(both.replace(",", "")) <= 3.2 * one, (name, one, both)
+        assert 0 < int(collectives.strip(" |")) < one, (name, collectives)
 
 
 @pytest.mark.parametrize("module, argv, expected", [
@@ -142,3 +145,14 @@ def test_a_script_that_cannot_be_measured_is_one_line_and_no_row(tmp_path, monke
     assert f"{METHODS[0]}: not measured, TypeError: train_step() missing" in text
     rows = [line for line in text.splitlines() if line.startswith(f"| {METHODS[0]} ")]
     assert rows == [] and text.count(f"| {METHODS[1]} ") == 3
+
+
+def test_on_the_cpu_the_batchnorm_rows_are_one_line_saying_why_there_are_none(tmp_path):
+    """--rows batchnorm on the CPU: the global BatchNorm's rows need CUDA (its fused kernels and
+    nn.SyncBatchNorm's have no CPU version); one line says so, and no table is written."""
+    out = tmp_path / "speed.md"
+    speed.main(["--device", "cpu", "--rows", "batchnorm", "--out", str(out)])
+    lines = out.read_text().splitlines()
+    assert [line for line in lines if line.startswith("No global BatchNorm rows")] == [
+        "No global BatchNorm rows: its fused kernels and nn.SyncBatchNorm's run on CUDA only."]
+    assert not any(line.startswith("|") for line in lines)

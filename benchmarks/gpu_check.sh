@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU check, in parts (benchmarks/README.md, "On a GPU machine"):
+#
+#     bash benchmarks/gpu_check.sh LOGS
+#
+# Each part runs under its own time limit and writes LOGS/PART.log; a part that fails or runs
+# out of time stops nothing after it. LOGS/summary.txt gets a line a part; the exit status is 1
+# if any part failed. About 7-9 minutes on one H100 (estimated), never more than the limits'
+# sum, 10 minutes. PYTHON names the interpreter (default: python). Without a CUDA GPU every
+# test skips, saying why, and the speed parts say that they did not run.
+set -u
+logs=${1:?usage: bash benchmarks/gpu_check.sh LOG_FOLDER}
+mkdir -p "$logs"
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python}
+status=0
+
+part() {  # NAME LIMIT_S COMMAND...: COMMAND's output to LOGS/NAME.log, its outcome to the summary
+    local name=$1 limit=$2 start=$SECONDS code outcome
+    shift 2
+    timeout --kill-after=10 "$limit" "$@" > "$logs/$name.log" 2>&1
+    code=$?
+    case $code in
+        0) outcome=passed ;;
+        124 | 137) outcome="out of time ($limit s)" ;;
+        *) outcome="failed (exit status $code)" ;;
+    esac
+    [ "$code" -eq 0 ] || status=1
+    printf '%-14s %-28s %4d s  %s: %s\n' "$name" "$outcome" $((SECONDS - start)) \
+        "$logs/$name.log" "$(tail -n 1 "$logs/$name.log")" | tee -a "$logs/summary.txt"
+}
+
+echo "GPU check, $(date '+%Y-%m-%d %H:%M'), git $(git rev-parse --short HEAD 2>/dev/null)" \
+    | tee "$logs/summary.txt"
+# 1. The CUDA tests without compiles: each method's CUDA step against its CPU step, the host
+#    syncs, the global BatchNorm's CUDA path, a streamed folder, a resume (2-GPU tests: skipped
+#    on one GPU, saying so).
+part cuda-tests 120 "$python" -m pytest -q -rs tests/test_cuda.py -k "not compiled"
+if "$python" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+    # 2. speed.py's method rows, ops tables and baselines; 3. its global BatchNorm rows.
+    part speed 150 "$python" benchmarks/speed.py --device cuda --rows methods \
+        --out "$logs/speed.md"
+    part batchnorm 60 "$python" benchmarks/speed.py --device cuda --rows batchnorm \
+        --out "$logs/batchnorm.md"
+else
+    echo "speed, batchnorm: not run, no CUDA GPU (torch.cuda.is_available() is False)" \
+        | tee -a "$logs/summary.txt"
+fi
+# 4. The compile tests: each method's --compile run against eager, and the blur above 64 px.
+part compile-tests 270 "$python" -m pytest -q -rs tests/test_cuda.py -k compiled
+exit $status
