@@ -113,6 +113,7 @@ def update_errors(run, reference):
 
 
 @pytest.mark.parametrize("precision", ["float32", "bf16"])
+@pytest.mark.rule("cuda")
 @pytest.mark.parametrize("method", METHODS)
 def test_the_cuda_step_is_the_cpu_step(method, precision, tmp_path):
     """The method's first train_step in its main() on CUDA (float32 without TF32, or bf16
@@ -155,6 +156,7 @@ def count_syncs(method, argv, tmp_path):
     return sum("synchroniz" in str(w.message) for w in seen["warnings"]), seen["steps"]
 
 
+@pytest.mark.rule("cuda")
 @pytest.mark.parametrize("method", METHODS)
 def test_main_runs_on_cuda_and_its_steps_make_the_host_wait_for_nothing(method, tmp_path):
     """The method's main() on CUDA, tiny, with its defaults' structure (MoCo's online and
@@ -177,6 +179,7 @@ def close(compiled, eager):
     return all(abs(c - e) <= 1e-3 * max(1.0, abs(e)) for c, e in zip(compiled, eager))
 
 
+@pytest.mark.rule("cuda")
 @pytest.mark.parametrize("method", METHODS)
 def test_compiled_main_equals_eager(method, tmp_path):
     """--compile (the network and the augmentation) for the method's tiny run of 2 epochs, float32:
@@ -273,6 +276,7 @@ def test_the_augmentation_on_cuda_is_the_cpus_and_draws_from_a_cuda_generator():
 
 # ------------------------------------------------------------------------------ 2 GPUs
 @two_gpus
+@pytest.mark.rule("cuda")
 @pytest.mark.parametrize("method", METHODS)
 def test_two_gpus_take_the_first_step_of_one(method, tmp_path):
     """The method's real script under torchrun on 2 GPUs (NCCL: gathered negatives, global

@@ -35,6 +35,7 @@ METHODS = sorted(QUICK_START)
 MARGIN = 10.0
 
 
+@pytest.mark.rule("run-folder")
 @pytest.mark.parametrize("method", METHODS)
 def test_python_and_torchrun_write_the_same_run(method, tmp_path):
     """One step of 16 images (an epoch), as `python` and as `torchrun --nproc_per_node=2`: both
@@ -53,6 +54,7 @@ def test_python_and_torchrun_write_the_same_run(method, tmp_path):
     assert abs(runs[1] - runs[2]) < 1e-4 * max(1.0, abs(runs[1])), runs
 
 
+@pytest.mark.rule("resume")
 @pytest.mark.parametrize("method", METHODS)
 def test_a_stopped_run_continues_with_the_same_command_bit_for_bit(method, tmp_path, capsys):
     """One process stopped in epoch 2 (4 steps an epoch): SIGKILL, SIGTERM or Ctrl-C, one to a
@@ -112,6 +114,7 @@ def quick_starts(request, tmp_path_factory):
     return knn
 
 
+@pytest.mark.rule("learns")
 @pytest.mark.parametrize("method", METHODS)
 def test_the_quick_start_learns(method, quick_starts):
     """The README's quick-start line for the method (3 epochs on the generated textures) ends with
@@ -139,6 +142,7 @@ class OpNames(TorchDispatchMode):
 FROM_PYTHON_DATA = {"lift_fresh", "lift_fresh_copy"}
 
 
+@pytest.mark.rule("no-python-data")
 @pytest.mark.parametrize("method", METHODS)
 def test_a_step_of_main_builds_no_tensor_from_python_data(method, tmp_path):
     """On a GPU each tensor built from Python data is a blocking host-to-device
@@ -232,6 +236,7 @@ def two_process_steps(request, tmp_path_factory):
     return {m: (ranks[0][m], ranks[1][m]) for m in selected}
 
 
+@pytest.mark.rule("backbone-gradient")
 @pytest.mark.parametrize("method", METHODS)
 def test_a_first_step_moves_the_backbone_down_the_losss_gradient(method, one_process_steps):
     """The loss of main()'s first step reaches the backbone (every common.ResNet in the network),
@@ -248,6 +253,7 @@ def test_a_first_step_moves_the_backbone_down_the_losss_gradient(method, one_pro
     assert torch.dot(update, -grad) > 0, f"{method}: the step does not descend"
 
 
+@pytest.mark.rule("two-processes")
 @pytest.mark.parametrize("method", METHODS)
 def test_two_processes_take_the_first_step_one_process_takes(method, one_process_steps,
                                                               two_process_steps):
