@@ -1,8 +1,8 @@
 """benchmarks/figures.py: each paper's figure drawn from small run folders made here (width 4,
 256 texture images, 1-2 epochs), its numbers those of the functions training uses: DCL Fig. 1
 (mean q_B rises with the batch size), DT Fig. 3 (the normalised entropy of r_+ rises with the
-dictionary size), GSG Figs. 4, 5 (a point per epoch per run), the training curves, and the one
-command that trains and draws."""
+dictionary size), GSG Figs. 4, 5 (a point per epoch per run), the training curves, the one
+command that trains and draws, --untrained's numbers, and where the figures go by default."""
 import json
 import math
 import os
