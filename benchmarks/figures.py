@@ -1,7 +1,9 @@
 r"""The papers' figures, drawn by this code at small scale from
 run folders (labelled with the paper's figure number, not a
-reproduction); each PNG goes to --out with its data as JSON.
+reproduction); each PNG goes to --out (runs/figures; the
+committed ones: --out benchmarks/figures) with its data as JSON.
 
+    python benchmarks/figures.py dcl --untrained  # seconds
     python benchmarks/figures.py dcl --train  # DCL Fig. 1
     python benchmarks/figures.py dt --train   # DT Fig. 3
     python benchmarks/figures.py gsg --train  # GSG Figs. 4, 5
@@ -29,8 +31,9 @@ try:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 except ImportError:  # the training scripts never need it
-    sys.exit("figures.py draws with matplotlib: "
-             "pip install -r benchmarks/requirements.txt")
+    Figure = None
+DRAW = "figures.py draws with matplotlib: " \
+    "pip install -r benchmarks/requirements.txt"
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -51,6 +54,8 @@ TRAIN = {
             + [f"simsiam-{s}-no-predictor" for s in GSG[:2]],
             ["--epochs", "5", "--limit-train", "1000"]),
 }
+# --untrained: the method file whose network each figure shows
+UNTRAINED = {"dcl": "simclr_dcl", "dt": "moco_simmoco_simco"}
 SIZES = (32, 64, 128, 256, 512, 1024)
 TAUS = (0.05, 0.1, 0.2, 0.5, 1.0)
 SKIP = {"epoch", "seconds", "images_per_s"}
@@ -79,12 +84,21 @@ def per_epoch(run, key):
 def rebuild(run, n):
     """A run's script, options (its parse_args on its recorded
     command line), checkpoint, and two views of its first n
-    training images by the script's recipes."""
-    recorded = config(run)
-    script = importlib.import_module(recorded["script"])
-    # The recorded options; a figure's few thousand views need no
-    # GPU.
-    args = argparse.Namespace(**{**recorded["args"], "device": "cpu"})
+    training images by the script's recipes. `run` a method
+    file's name: its network untrained, at the quick start's T."""
+    if run in UNTRAINED.values():
+        script = importlib.import_module(run)
+        args = script.parse_args(QUICK + ["--device", "cpu"])
+        state = {"model": None}
+    else:
+        recorded = config(run)
+        script = importlib.import_module(recorded["script"])
+        # The recorded options; a figure's few thousand views need
+        # no GPU.
+        args = argparse.Namespace(
+            **{**recorded["args"], "device": "cpu"})
+        path = os.path.join(run, "checkpoint.pt")
+        state = torch.load(path, weights_only=True)
     ctx = common.setup(args)
     data = common.load_data(args, ctx)
     args.image_size = data.image_size
@@ -92,14 +106,17 @@ def rebuild(run, n):
                              data.mean, data.std, ctx)
     generator = torch.Generator().manual_seed(args.seed)
     views = augment(data.train[:n], generator)
-    path = os.path.join(run, "checkpoint.pt")
-    return script, args, torch.load(path, weights_only=True), views
+    return script, args, state, views
 
 
 def network(cls, args, state):
-    net = cls(args.arch, args.width, args.image_size,
-              args.proj_hidden, args.proj_dim, args.stem_padding)
-    net.load_state_dict(state)
+    """The run's network; state None: as main() builds it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(args.seed)
+        net = cls(args.arch, args.width, args.image_size,
+                  args.proj_hidden, args.proj_dim, args.stem_padding)
+    if state is not None:
+        net.load_state_dict(state)
     # In eval mode a view's projection is the same in any batch,
     # so only the number of negatives changes with the batch.
     return net.eval()
@@ -377,6 +394,49 @@ FIGURES = {"dcl": dcl_figure, "dt": dt_figure,
            "gsg": gsg_figure, "curves": curves_figure}
 
 
+# ------------ --untrained
+def untrained(args):
+    """The figure's quantity for the quick start's network before
+    any training, printed, and drawn where matplotlib is."""
+    run = UNTRAINED[args.figure]
+    print(f"{run}.py's network at the quick start's T, untrained, "
+          f"on two views of generated textures:")
+    if args.figure == "dcl":
+        _, q = npc_by_batch(run)
+        print("q_B of each anchor (npc_multiplier) by batch size N"
+              "\n  N     <q_B>   C_v     1 - 1/(2N - 1)")
+        for n, v in q.items():
+            cv = v.std(correction=0) / v.mean()
+            print(f"  {n:<5} {v.mean():.4f}  {cv:.4f}  "
+                  f"{1 - 1 / (2 * n - 1):.4f}")
+        print("A positive no closer than the 2N - 2 negatives gives "
+              "q_B = 1 - 1/(2N - 1). Trained (--train),\npositives "
+              "lie closer: q_B falls below that and spreads, the "
+              "most at small N.")
+    else:
+        _, sizes, a, entropy = entropy_by_dictionary(run)
+        print(f"exp(H(r_+)) / {a}, the share of {a} anchors that "
+              f"carry the pull (anchor_weight_stats),\nby tau_beta "
+              f"(rows) and dictionary size K\n  K   " + "".join(
+                  f"{k:>6}" for k in sizes))
+        for tau, row in entropy.items():
+            print(f"  {tau:<4}" + "".join(
+                f"{a ** h / a:6.3f}" for h in row))
+        print("A positive about as close as the K negatives gives "
+              "every W_i = 1 - p_+ about K / (K + 1):\nthe anchors "
+              "pull alike. Trained (--train), some positives are "
+              "easy (W_i near 0 at a low\ntau_beta): at a small K "
+              "far fewer anchors carry the pull.")
+    if Figure is None:
+        print(DRAW)
+        return
+    fig, saved = FIGURES[args.figure]([run])
+    fig.suptitle(f"{run}.py's network untrained: not a trained "
+                 f"figure")
+    fig.set_figwidth(max(fig.get_figwidth(), 8))  # the caption
+    save(fig, saved, args.out, f"{args.figure}-untrained")
+
+
 # ------------ main
 def parse_args(argv):
     split = argv.index("--") if "--" in argv else len(argv)
@@ -388,15 +448,23 @@ def parse_args(argv):
     a("runs", nargs="*", help="run folders to draw from")
     a("--train", action="store_true",
       help="first train the figure's runs (not curves)")
+    a("--untrained", action="store_true",
+      help="dcl, dt: the quick start's network untrained, "
+           "printed (seconds)")
     a("--runs-dir", default="runs/figures",
       help="--train: its runs go to RUNS_DIR/FIGURE (%(default)s)")
-    a("--out", default="benchmarks/figures",
+    # The committed figures change only when asked: --out
+    # benchmarks/figures.
+    a("--out", default="runs/figures",
       help="FIGURE.png and FIGURE.json go here (%(default)s)")
     args = parser.parse_args(argv[:split])
     args.given = argv[split + 1:]
     if args.train and args.figure not in TRAIN:
         parser.error("--train: dcl, dt or gsg, not curves")
-    if not (args.runs or args.train):
+    if args.untrained and (args.figure not in UNTRAINED
+                           or args.runs or args.train):
+        parser.error("--untrained: dcl or dt, alone")
+    if not (args.runs or args.train or args.untrained):
         parser.error("give run folders, or --train")
     return args
 
@@ -416,6 +484,10 @@ def train(args):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.untrained:
+        return untrained(args)
+    if Figure is None:
+        sys.exit(DRAW)
     runs = list(args.runs)
     if args.train:
         runs += train(args)

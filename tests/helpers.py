@@ -234,6 +234,21 @@ def float64():
         torch.set_default_dtype(previous)
 
 
+def identity(name, left_name, left, right_name, right, rtol=1e-5, atol=1e-12):
+    """A paper's identity, left == right (tensors) as torch.testing.assert_close holds it, its
+    two sides and their largest difference printed first: `pytest -s` shows the line, a failure
+    shows it too, and otherwise pytest keeps it."""
+
+    def first(t):
+        values = ", ".join(f"{v:.4g}" for v in t.flatten()[:3].tolist())
+        return f"[{values}{', ...' if t.numel() > 3 else ''}]"
+
+    gap = (left - right).abs().max().item()
+    print(f"{name}: {left_name} {first(left)} = {right_name} {first(right)}, "
+          f"largest difference {gap:.1e}")
+    torch.testing.assert_close(left, right, rtol=rtol, atol=atol)
+
+
 def check_run_folder(out, epochs=None):
     """A finished run's folder: its files, one metrics line per epoch (rank 0 alone writes),
     the final kNN (k=200, k=1) and probe -> (config, metrics lines, results)."""

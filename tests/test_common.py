@@ -646,6 +646,7 @@ def test_streaming_image_folder_and_augmented_linear_probe(tiny_folder, tmp_path
 SCRIPTS = METHODS
 
 
+@pytest.mark.rule("run-folder")
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_the_start_up_line_and_results_name_the_run(script, tmp_path, capsys):
     """The first line printed: run folder, data set, training images, classes, image size,
@@ -661,6 +662,7 @@ def test_the_start_up_line_and_results_name_the_run(script, tmp_path, capsys):
     assert results["command"] == " ".join([f"{script}.py", *argv]) and results["epochs"] == 0
 
 
+@pytest.mark.rule("help")
 def test_help_shows_one_default_per_option(capsys):
     """Each option of each script's --help names its default at most once (an option whose help
     text gives its own default gets no second "(default: None)" from argparse)."""

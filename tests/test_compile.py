@@ -66,6 +66,7 @@ def largest_difference(method):
     return max(float((c - e).abs().max()) for c, e in zip(compiled, eager))
 
 
+@pytest.mark.rule("compiled-recipes")
 @pytest.mark.parametrize("method", sorted(QUICK_START))
 def test_compiled_augmentation_equals_eager_for_each_method_files_recipes(method):
     """The method file's ops, compiled by itself or by the method file that covers them, give

@@ -115,6 +115,7 @@ def update_errors(run, reference):
 
 
 @pytest.mark.parametrize("precision", ["float32", "bf16"])
+@pytest.mark.rule("cuda")
 @pytest.mark.parametrize("method", METHODS)
 def test_the_cuda_step_is_the_cpu_step(method, precision, tmp_path):
     """The method's first train_step in its main() on CUDA (float32 without TF32, or bf16
@@ -163,6 +164,7 @@ SYNC_RUNS = {**{m: [m] for m in METHODS},
              "mocov2": ["moco_simmoco_simco", "--method", "mocov2", "--queue-size", "64"]}
 
 
+@pytest.mark.rule("cuda")
 @pytest.mark.parametrize("run", SYNC_RUNS)
 def test_main_runs_on_cuda_and_its_steps_make_the_host_wait_for_nothing(run, tmp_path):
     """The method's main() on CUDA, tiny, with its defaults' structure (the online probe on for
@@ -188,6 +190,7 @@ def close(compiled, eager):
     return all(abs(c - e) <= 1e-3 * max(1.0, abs(e)) for c, e in zip(compiled, eager))
 
 
+@pytest.mark.rule("cuda")
 @pytest.mark.parametrize("method", METHODS)
 def test_compiled_main_equals_eager(method, tmp_path):
     """--compile (the network and the augmentation) for the method's tiny run of 2 epochs, float32:
@@ -344,6 +347,7 @@ def test_the_global_batchnorms_cuda_path_at_one_process_is_nn_batchnorm(case, pr
 
 # ------------------------------------------------------------------------------ 2 GPUs
 @two_gpus
+@pytest.mark.rule("cuda")
 @pytest.mark.parametrize("method", METHODS)
 def test_two_gpus_take_the_first_step_of_one(method, tmp_path):
     """The method's real script under torchrun on 2 GPUs (NCCL: gathered negatives, global

@@ -135,7 +135,8 @@ def test_final_evaluation_reports_knn_with_knn_k_and_knn_t_and_with_k_1():
 
 def test_extracted_features_are_the_eval_mode_backbones_rows_scaled_to_unit_norm():
     """unit=True: F(x) / |F(x)| of the backbone in eval mode on the normalised images, every row
-    of norm 1, in float16; unit=False: F(x) itself; the backbone's train mode is given back."""
+    of norm 1, in float16; unit=False: F(x) itself; the backbone's train mode is given back. A kNN
+    bank left unnormalised (extract_features storing f for F.normalize(f, dim=1)) fails here."""
     torch.manual_seed(0)
     backbone = common.ResNet("resnet18", 8, 8)
     backbone(torch.randn(16, 3, 8, 8))  # moves the BatchNorm running statistics off 0 and 1

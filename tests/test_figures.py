@@ -1,14 +1,15 @@
 """benchmarks/figures.py: each paper's figure drawn from small run folders made here (width 4,
 256 texture images, 1-2 epochs), its numbers those of the functions training uses: DCL Fig. 1
 (mean q_B rises with the batch size), DT Fig. 3 (the normalised entropy of r_+ rises with the
-dictionary size), GSG Figs. 4, 5 (a point per epoch per run), the training curves, and the one
-command that trains and draws."""
+dictionary size), GSG Figs. 4, 5 (a point per epoch per run), the training curves, the one
+command that trains and draws, --untrained's numbers, and where the figures go by default."""
 import json
 import math
 import os
 import sys
 
 import pytest
+import torch
 
 import moco_simmoco_simco
 import simclr_dcl
@@ -218,3 +219,53 @@ def test_train_recipe_is_the_readme_quick_start():
     start = next(i for i, line in enumerate(lines) if line.strip().startswith("T="))
     t = " ".join(lines[start:start + 2]).split('"')[1].replace("\\", "").split()
     assert figures.QUICK == t + ["--eval-every", "1", "--linear-epochs", "0"]
+
+
+def test_by_default_a_figure_goes_to_runs_figures_not_over_the_committed_ones(runs, tmp_path,
+                                                                               monkeypatch,
+                                                                               capsys):
+    """Run from the repository's root as the README does (here a copy's root, tmp_path), a
+    figure and its JSON go to runs/figures, and figures.py says so: benchmarks/figures, the
+    committed figures, changes only with `--out benchmarks/figures` (seen failing: it was the
+    default)."""
+    monkeypatch.chdir(tmp_path)
+    figures.main(["dcl", runs["simclr-infonce"]])
+    written = os.path.join("runs", "figures", "dcl")
+    assert f"written: {written}.png and {written}.json" in capsys.readouterr().out
+    assert os.listdir(tmp_path) == ["runs"] and os.path.isfile(tmp_path / f"{written}.png")
+
+
+def test_untrained_prints_each_papers_quantity_by_the_training_functions(tmp_path, monkeypatch,
+                                                                         capsys):
+    """`figures.py dcl --untrained`, `dt --untrained`: the quick start's network untrained on
+    generated textures, no run folder. DCL: a row per batch size N, <q_B> and C_v of
+    npc_multiplier's q_B (2N anchors a batch), <q_B> at 1 - 1/(2N - 1) within 0.001 as its note
+    says (a positive no closer than the negatives); DT: a row per tau_beta, exp(H(r_+)) / A of
+    anchor_weight_stats's H at each K. Each draws its figure into --out; without matplotlib it
+    prints the numbers alone, and says how to draw them."""
+    q = spy(monkeypatch, simclr_dcl, "npc_multiplier")
+    stats = spy(monkeypatch, moco_simmoco_simco, "anchor_weight_stats")
+    figures.main(["dcl", "--untrained", "--out", str(tmp_path)])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("  ") and line.split()[0].isdigit()]
+    assert [int(row[0]) for row in rows] == list(figures.SIZES)
+    first = 0
+    for (n, mean, cv, baseline), count in zip(rows, (32, 16, 8, 4, 2, 1)):
+        values = torch.cat(q[first:first + count])
+        first += count
+        assert float(mean) == pytest.approx(values.mean().item(), abs=1e-4)
+        assert float(cv) == pytest.approx((values.std(correction=0) / values.mean()).item(),
+                                          abs=1e-4)
+        assert abs(float(mean) - float(baseline)) < 1e-3
+    monkeypatch.setattr(figures, "Figure", None)
+    figures.main(["dt", "--untrained", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("  0.") or
+            line.startswith("  1.")]
+    assert [float(row[0]) for row in rows] == list(figures.TAUS)
+    shares = [float(share) for row in rows for share in row[1:]]
+    anchors = 256  # entropy_by_dictionary's
+    assert shares == pytest.approx([math.exp(h.item()) / anchors for _, _, h, _ in stats],
+                                   abs=6e-4)
+    assert figures.DRAW in out
+    assert sorted(os.listdir(tmp_path)) == ["dcl-untrained.json", "dcl-untrained.png"]

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import common
 import moco_simmoco_simco as mss
-from helpers import (check_run_folder, float64, run_distributed, run_main, run_script,
-                     smoke_args, tiny)
+from helpers import (check_run_folder, float64, identity, run_distributed, run_main,
+                     run_script, smoke_args, tiny)
 
 TAU = 0.1
 
@@ -75,12 +75,13 @@ def test_eq4_infonce_gradient_is_anchor_weight_times_positive_minus_weighted_neg
     w = p[:, 1:].sum(1)
     # weight on the positive = sum on negatives
     torch.testing.assert_close(w, 1 - p[:, 0], rtol=1e-5, atol=1e-14)
-    torch.testing.assert_close(w_returned, w, rtol=1e-5, atol=1e-14)
+    identity("DT Eq. 4, W_i", "the loss's", w_returned, "1 - p_+", w, atol=1e-14)
     p_hat = p[:, 1:] / w[:, None]
     closed = -(1 / TAU) * w[:, None] * (kn - p_hat @ queue)  # (B, D) on the normalised q
     jacobian = torch.eye(q.shape[1]) - qn[:, :, None] * qn[:, None, :]  # (B, D, D)
     jacobian = jacobian / q.norm(dim=1)[:, None, None]
-    torch.testing.assert_close(g, (jacobian @ closed[:, :, None]).squeeze(2), rtol=1e-5, atol=1e-12)
+    identity("DT Eq. 4, dInfoNCE/dq", "autograd", g, "-(1/tau) W_i (k_i - sum_j phat_j k_j)",
+             (jacobian @ closed[:, :, None]).squeeze(2))
 
 
 @pytest.mark.parametrize("use_queue", [True, False])
@@ -124,9 +125,13 @@ def test_dual_temperature_gradient_is_weight_ratio_times_infonce_gradient(use_qu
     ratio_infonce = (w_beta / w_alpha * reference_infonce(logits, TAU)).sum() / b
     weighted_dcl = (w_beta * reference_dcl(logits, TAU)).sum() / b
     assert not torch.allclose(w_alpha, w_beta)  # the identity is not trivially true here
-    for x in (q, k):
-        torch.testing.assert_close(grad(loss, x), grad(ratio_infonce, x), rtol=1e-5, atol=1e-13)
-        torch.testing.assert_close(grad(loss, x), grad(weighted_dcl, x), rtol=1e-5, atol=1e-13)
+    negatives = "a queue" if use_queue else "the batch's keys"
+    for x, name in ((q, "q"), (k, "k")):
+        title = f"DT Eq. 9 with {negatives}, dL/d{name}"
+        identity(title, "autograd", grad(loss, x), "W(tau_b) / W(tau_a) * dInfoNCE",
+                 grad(ratio_infonce, x), atol=1e-13)
+        identity(title, "autograd", grad(loss, x), "W(tau_b) * dDCL", grad(weighted_dcl, x),
+                 atol=1e-13)
     torch.testing.assert_close(w_alpha_out, w_alpha, rtol=1e-5, atol=1e-14)
     torch.testing.assert_close(w_beta_out, w_beta, rtol=1e-5, atol=1e-14)
 

@@ -7,6 +7,7 @@ import inspect
 import os
 import re
 
+import pytest
 
 import common
 from helpers import METHODS
@@ -50,6 +51,7 @@ def test_the_module_docstring_lists_both_parts_sections():
         assert title in doc[doc.index("Part 2"):], title
 
 
+@pytest.mark.rule("part-two")
 def test_no_loss_head_or_model_of_a_method_file_calls_part_two():
     """Every function and class of a method file but main() and parse_args() (its losses, heads,
     FIFOs, training step, recipes) uses only Part 1 of common.py."""

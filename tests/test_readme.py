@@ -1,8 +1,10 @@
 """README.md states what the code does: the functions its "where each idea lives" table names exist,
 each settings table's values are the parsers' defaults, the linear protocols and the options
---resume may change are the code's, its DCLW weight is the one dclw_weights computes, and each
-paper's path to learn it selects the tests it promises."""
+--resume may change are the code's, its DCLW weight is the one dclw_weights computes, each
+paper's path to learn it selects the tests it promises, and "Adding a method" lists every rule the
+tests hold a method file to."""
 import argparse
+import ast
 import importlib
 import math
 import os
@@ -16,7 +18,7 @@ import torch
 import common
 import nnclr_dcl
 import simclr_dcl
-from helpers import METHODS, ROOT
+from helpers import METHODS, ROOT, TESTS
 
 SCRIPTS = METHODS
 # the paper identities and changes the table must map to code (issue 24), by words of their row
@@ -66,6 +68,7 @@ def idea_rows():
     return rows
 
 
+@pytest.mark.rule("quick-start-line")
 def test_the_quick_start_opens_with_a_textures_run_of_every_script():
     """Its first commands: T (--dataset textures, a warm-up shorter than the run) and one run of
     each script on it, which parses; each line names the kNN untrained -> trained it reaches."""
@@ -147,6 +150,7 @@ def mismatches(stated, args, script):
     return wrong
 
 
+@pytest.mark.rule("settings-table")
 def test_settings_tables_state_each_scripts_parser_defaults():
     """Each `--option` row of a script's table is its parse_args([]) default; the common table's
     rows hold for every script whose own table does not state that option."""
@@ -161,6 +165,7 @@ def test_settings_tables_state_each_scripts_parser_defaults():
     assert not wrong, "\n".join(wrong)
 
 
+@pytest.mark.rule("settings-table")
 def test_every_default_a_script_sets_is_in_its_settings_table():
     """A default the script sets (one the shared parser lacks or sets otherwise) has its row, so
     no setting can be added or changed without the README."""
@@ -219,6 +224,34 @@ def test_dclw_weight_as_the_readme_writes_it_is_dclw_weights(sigma):
     s = torch.linspace(-0.9, 0.95, 7, dtype=torch.float64)  # cosines of 7 positive pairs
     readme_w = 2 - torch.exp(s / sigma) / torch.exp(s / sigma).mean()
     assert torch.allclose(simclr_dcl.dclw_weights(s, sigma), readme_w, atol=1e-12)
+
+
+# ------------------------------------------------------------------ adding a method
+
+def rules_the_tests_hold():
+    """{name: [test, ...]} of every `@pytest.mark.rule(name)` on a test in tests/."""
+    rules = {}
+    for file in sorted(os.listdir(TESTS)):
+        if not file.endswith(".py"):
+            continue
+        with open(os.path.join(TESTS, file), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for test in ast.walk(tree):
+            for mark in getattr(test, "decorator_list", []):
+                if isinstance(mark, ast.Call) and ast.unparse(mark.func) == "pytest.mark.rule":
+                    rules.setdefault(mark.args[0].value, []).append(f"{file}::{test.name}")
+    return rules
+
+
+def test_adding_a_method_lists_every_rule_the_tests_hold_a_method_file_to():
+    """"Adding a method" is a checklist, a line `- `NAME`: ...` for each rule some test holds
+    every method file to (`@pytest.mark.rule(NAME)`), and no other: a rule added to a test
+    without its line, or a line whose tests are gone, fails here."""
+    listed = re.findall(r"^- `([a-z0-9-]+)`", section(readme(), "## Adding a method"), re.M)
+    held = rules_the_tests_hold()
+    assert len(listed) == len(set(listed)), listed
+    assert not set(held) - set(listed), f"rules without a README line: {set(held) - set(listed)}"
+    assert not set(listed) - set(held), f"README lines no test holds: {set(listed) - set(held)}"
 
 
 # ------------------------------------------------------------------ the two commands

@@ -111,6 +111,7 @@ def test_backbone_pt_loads_into_torchvision(tmp_path, arch, size, padding):
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.rule("stem-padding")
 @pytest.mark.parametrize("script", sorted(QUICK_START))
 def test_each_script_builds_its_authors_cifar_stem_and_records_its_padding(
         tiny_folder, tmp_path, script, monkeypatch):

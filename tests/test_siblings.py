@@ -61,6 +61,7 @@ def test_momentum_encoder_and_ema_update_are_the_same_code_in_both_files():
         assert torch.equal(p, f) and p is not f and not f.requires_grad and p.requires_grad
 
 
+@pytest.mark.rule("recipes-and-step")
 def test_every_method_file_has_recipes_and_the_same_first_train_step_arguments():
     """recipes(args) -> one common.Recipe per view (no file keeps a `recipe`); train_step(net,
     optimizer, views, args, ctx, ...): the file's own state (queues, support set, target) after."""
@@ -88,6 +89,7 @@ def blocks(module):
     return source, starts, pieces
 
 
+@pytest.mark.rule("shared-and-own")
 def test_every_main_marks_its_shared_and_own_lines():
     """Each main() is marked in blocks from its second line on:
     `# shared: ...` the lines every method file repeats, word for

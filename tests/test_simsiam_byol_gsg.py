@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import common
 import simsiam_byol_gsg as gsg
-from helpers import run_distributed, run_script, smoke_args
+from helpers import identity, run_distributed, run_script, smoke_args
 
 MODES = ["guided", "random", "reverse"]
 TINY_HEADS = ["--proj-hidden", "32", "--proj-dim", "32", "--pred-hidden", "8"]
@@ -60,12 +60,13 @@ def test_eq6_each_case_is_chosen_by_the_closest_cross_image_views_and_equals_its
     args = (p11, p12, p21, p22, z11, z12, z21, z22)
     _, case = gsg.guided_stopgrad_loss(*args, mode="guided")
     assert case.dtype == torch.int64 and case.tolist() == [0, 1, 2, 3]
-    for c in range(4):
-        row = [t[c:c + 1] for t in args]
-        loss, _ = gsg.guided_stopgrad_loss(*row)
-        torch.testing.assert_close(loss, case_formula(c, *row)[0], rtol=0, atol=1e-12)
-    expected = torch.stack([case_formula(c, *args)[c] for c in range(4)]).mean()
-    torch.testing.assert_close(gsg.guided_stopgrad_loss(*args)[0], expected, rtol=0, atol=1e-12)
+    print(f"GSG Eq. 5: the closest cross-image views pick cases {case.tolist()}")
+    losses = [gsg.guided_stopgrad_loss(*[t[c:c + 1] for t in args])[0] for c in range(4)]
+    formulas = [case_formula(c, *args)[c] for c in range(4)]
+    identity("GSG Eq. 6, pairs 0-3", "the loss", torch.stack(losses), "their case's line",
+             torch.stack(formulas), rtol=0)
+    identity("GSG Eq. 6, the batch", "the loss", gsg.guided_stopgrad_loss(*args)[0],
+             "the mean of the lines", torch.stack(formulas).mean(), rtol=0)
 
 
 def test_eq7_reverse_stopgrad_takes_the_two_terms_guided_leaves_out():

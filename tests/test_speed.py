@@ -36,6 +36,7 @@ def method_rows(tables):
     return rows[:n], rows[n:2 * n], rows[2 * n:]
 
 
+@pytest.mark.rule("speed")
 def test_the_tables_have_a_row_per_method_file_and_the_two_baselines(tables):
     """main() at the tiny preset writes one row per method file (positive rates, no GPU busy
     fraction, sync count or memory on a CPU), one row of ops and host ms per method file, and the
@@ -51,6 +52,7 @@ def test_the_tables_have_a_row_per_method_file_and_the_two_baselines(tables):
                                                "optimiser step, ResNet-18 w4"]
 
 
+@pytest.mark.rule("speed")
 def test_every_augmentation_dispatches_at_most_150_ops_a_view_and_a_step_at_most_1_7_bare(tables):
     """Issue 39's bounds, as speed.py counts them: every method's common.Augment (its file's
     recipes) dispatches at most 150 aten ops a view, and its augmentation plus its train_step
@@ -63,6 +65,7 @@ def test_every_augmentation_dispatches_at_most_150_ops_a_view_and_a_step_at_most
         assert float(cells[5]) <= 1.7, cells
 
 
+@pytest.mark.rule("speed")
 def test_a_step_at_two_processes_costs_at_most_3_2_times_its_ops_at_one(tables):
     """Issue 45: speed.py shows train_step's ops at 2 gloo processes beside 1 (the global
     BatchNorm, the gathers, DDP), so the GPU check sees their cost. Each method's 1-process count
