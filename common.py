@@ -1224,7 +1224,9 @@ def add_common_args(parser):
            "generated CPU demo")
     a("--data-dir", default="./data", help="CIFAR/STL-10 download here")
     a("--image-size", type=positive_int, help="imagefolder's (224)")
-    cores = len(os.sched_getaffinity(0))
+    cores = os.cpu_count() or 1  # all of them: macOS has no affinity
+    if hasattr(os, "sched_getaffinity"):  # Linux: those it may use
+        cores = len(os.sched_getaffinity(0))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's
     a("--workers", type=non_negative_int, default=max(1, cores // local),
       help="image folder decoders a process (the node's cores / its "

@@ -62,6 +62,17 @@ def test_the_same_options_once_parsed_are_the_same_command(tiny_folder, tmp_path
     assert "--lr" in line
 
 
+def test_resume_takes_this_machines_workers_and_device(tiny_folder, tmp_path, capsys):
+    """--resume RUN with --workers and --device, which change nothing a run trains, continues
+    RUN (before, a --workers other than the machine's default was refused)."""
+    out = tmp_path / "run"
+    stop_in_epoch(2, smoke_args(tiny_folder, out, "--epochs", "2", *SMALL))
+    capsys.readouterr()
+    harness.main(["--resume", str(out), "--workers", "3", "--device", "cpu"])
+    assert f"continuing {out} from epoch 2" in capsys.readouterr().out
+    assert (out / "results.json").exists()
+
+
 def _node_commands(folder, outs, port):
     return [[*_torchrun_node(n, port), os.path.join(ROOT, f"{HARNESS}.py"),
              *map(str, smoke_args(folder, outs[n], "--epochs", "2", *SMALL))]
