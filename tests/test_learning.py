@@ -16,11 +16,16 @@ mostly their random initial rows, and with 5 classes a long queue fills the nega
 of the anchor's own class), BYOL's target momentum 0.9 (at 0.99 the target barely leaves its
 random start in 250 steps).
 
-Measured before choosing MARGIN (this project's 2-core CPU machine, 2026-12-06): untrained kNN
-top-1 44.6-50.2% (SimSiam/BYOL's network, whose residual branches start at zero: 56.8-66.8%, seeds
-0-2); every trained variant of seed 2, used here, 17-55 points above its script's untrained
-network. Symmetric SimSiam and BYOL train 6 epochs: at 4, seed 2 gave 77.2% and 71.2% against
-66.8% untrained (87.6-91.4% at 6, seeds 0-2).
+Measured before choosing MARGIN (2026-12-07, torch 2.14.1, an AVX-512 AMD EPYC; the table is in
+benchmarks/README.md): every run of seed 2, used here, natively at 1 and 2 threads and at one
+thread with ATEN_CPU_CAPABILITY=default or avx2 and with DNNL_MAX_CPU_ISA=SSE41 or AVX2 (avx512 and
+AVX512_CORE, tried on guided BYOL, give the native run); seeds 0 and 1 natively at one thread.
+Untrained kNN top-1 44.0-54.6% (SimSiam/BYOL's network, whose residual branches start at zero:
+56.8-66.8%); every variant 17.6-55.2 points above its script's untrained network (the least: MoCo
+v2 with ATEN_CPU_CAPABILITY=avx2). Guided BYOL trains 3 epochs (18.0-34.6 points): at 2 it gained
+5.0 natively and with ATEN_CPU_CAPABILITY=avx2 (both on oneDNN's AVX-512 convolutions), no more
+than its broken steps below. Symmetric SimSiam and BYOL train 6 epochs: at 4, seed 2 gave 77.2% and
+71.2% against 66.8% untrained (2026-12-06).
 """
 import json
 import os
@@ -36,7 +41,7 @@ import simclr_dcl
 import simsiam_byol_gsg
 from helpers import run_script, smoke_args
 
-MARGIN = 10.0  # kNN top-1 points over the untrained network; the smallest measured gap was 20
+MARGIN = 10.0  # kNN top-1 points over the untrained network; the smallest measured gain was 17.6
 PROJ_DIM = 64
 SHARED = ["--dataset", "textures", "--width", "8", "--batch-size", "32",
           "--proj-hidden", "256", "--proj-dim", str(PROJ_DIM), "--warmup-epochs", "0",
@@ -51,7 +56,7 @@ RUNS = {  # name -> (script module, options after SHARED)
     "simsiam-symmetric": (simsiam_byol_gsg, ["--epochs", "6", "--stopgrad", "symmetric", *SIAMESE]),
     "byol-symmetric": (simsiam_byol_gsg, ["--epochs", "6", "--method", "byol", "--ema", "0.9",
                                           "--stopgrad", "symmetric", *SIAMESE]),
-    "byol-guided": (simsiam_byol_gsg, ["--epochs", "2", "--method", "byol", "--ema", "0.9",
+    "byol-guided": (simsiam_byol_gsg, ["--epochs", "3", "--method", "byol", "--ema", "0.9",
                                        "--stopgrad", "guided", *SIAMESE]),
     "simsiam-symmetric-no-predictor": (simsiam_byol_gsg, ["--epochs", "3", "--no-predictor",
                                                           "--stopgrad", "symmetric"]),
@@ -112,9 +117,11 @@ def test_each_variant_ends_above_the_untrained_network(name, trained):
     """kNN top-1 (k=200) after training >= the same network untrained (--epochs 0) + MARGIN.
 
     Guards a training step that does not learn. Broken on purpose in a scratch copy (seed 2), these
-    fail it: no optimizer.step() (SimCLR-DCL/DCLW: 54.6% vs 46.2% untrained); SimSiam's symmetric
+    fail it: no optimizer.step() (SimCLR-DCL/DCLW: 48.4% vs 44.6% untrained); SimSiam's symmetric
     loss without its stop-gradient (46.8% vs 65.0%); the same view fed to the loss twice in SimSiam
-    and BYOL, symmetric or guided (67.0-72.2%); guided's case choice reversed (65.6-68.0%).
+    and BYOL, symmetric or guided (67.0-72.2%; guided BYOL at 3 epochs 66.0-66.4% vs 66.8%);
+    guided's case choice reversed (65.6-68.0%; guided BYOL at 3 epochs, --stopgrad reverse,
+    67.6-68.8%). Guided BYOL's two breaks ran natively and with DNNL_MAX_CPU_ISA=AVX2.
     Not caught at this scale: the same view twice in SimCLR, MoCo v2, SimMoCo, SimCo and NNCLR
     (60.6-75.6% vs 46.2%: single-view contrastive training alone lifts kNN that much here; the
     two-views test below catches it); a frozen BYOL target or MoCo key encoder, an NNCLR support
@@ -130,10 +137,10 @@ def test_gsg_without_predictor_symmetric_collapses_guided_does_not(trained):
     """GSG Sec. 6.2: without a predictor SimSiam collapses; with guided stop-gradient it does not.
 
     Measured by proj_std, the std over the batch of z/|z| (1/sqrt(D) = 0.125 when spread, 0 when
-    collapsed), per epoch from metrics.jsonl. Over 3 epochs (seeds 0-2) symmetric SimSiam's falls
-    every epoch, 0.114-0.119 -> 0.068-0.076, while guided SimSiam's stays at 0.120-0.123. The
-    projector's last BatchNorm keeps each coordinate spread, so at this scale the collapse is a
-    steady fall, not a drop to 0.
+    collapsed), per epoch from metrics.jsonl. Over 3 epochs, on the float paths and seeds of the
+    module docstring, symmetric SimSiam's falls every epoch, 0.117-0.123 -> 0.065-0.091, while
+    guided SimSiam's stays at 0.120-0.125. The projector's last BatchNorm keeps each coordinate
+    spread, so at this scale the collapse is a steady fall, not a drop to 0.
     Broken on purpose (seed 2): the same view fed to the loss twice keeps symmetric's at 0.1255
     (fails the first assertion); guided without its stop-gradients, or with its case choice
     reversed (3 - argmin), falls to 0.051 and 0.057 (fails the second).
