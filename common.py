@@ -1400,7 +1400,8 @@ def open_run(args, ctx):
     if refusal:
         raise UserError(refusal, every_rank=True)
     if action == "finished":
-        ctx.print(f"{args.out} is finished (results.json)")
+        if ctx.rank == 0:
+            print(f"{args.out} is finished (results.json)", file=sys.stderr)
         sys.exit(0)  # a requeue of a finished run succeeds at once
     if ctx.world > 1:
         sees = False
@@ -1426,18 +1427,13 @@ def look_in(args, ctx):
     path = os.path.join(args.out, "config.json")
     config = read_config(args.out)
     if config is not None:
-        parser = RUN["parser"]
-        theirs = trained_options(parser.parse_args(config["argv"]))
-        ours = trained_options(parser.parse_args(RUN["argv"]))
-        if config["script"] != RUN["script"] or theirs != ours:
-            differ = [k for k in ours if theirs.get(k) != ours[k]]
-            differ = ", ".join(f"--{k.replace('_', '-')}" for k in differ)
+        differ = another_command(config)
+        if differ:
             raise UserError(
                 f"--out {args.out} holds the run of "
                 f"`{command_line(config['script'], config['argv'])}`, "
-                f"not this command (it differs in {differ or 'script'}): "
-                f"run that command again to continue it, or choose "
-                f"another --out")
+                f"{differ}: run that command again to continue it, or "
+                f"choose another --out")
         if os.path.exists(os.path.join(args.out, "results.json")):
             return [None, "finished", None]
         if os.path.exists(os.path.join(args.out, "checkpoint.pt")):
@@ -1452,6 +1448,21 @@ def look_in(args, ctx):
     write_atomic(os.path.join(args.out, "metrics.jsonl"), b"")
     write_atomic(path, text.encode())
     return [text, "new", None]
+
+
+def another_command(config):
+    """How this command differs from config.json's, or None: the
+    options once parsed (any order), but MAY_DIFFER's."""
+    if config["script"] != RUN["script"]:
+        return f"not {RUN['script']}.py's"
+    parser = RUN["parser"]
+    theirs = trained_options(parser.parse_args(config["argv"]))
+    ours = trained_options(parser.parse_args(RUN["argv"]))
+    differ = [f"--{k.replace('_', '-')}" for k in ours
+              if theirs.get(k) != ours[k]]
+    if not differ:
+        return None
+    return f"not this command's (its {', '.join(differ)})"
 
 
 def git_commit():

@@ -462,6 +462,7 @@ def main(argv=None):
     run = common.Run(args, ctx, data, backbone, states)
     # own: the probes' test top-1 beside each kNN monitor
     run.also = probes.top1 if probes else None
+    # shared: the epochs still to train, each one's steps
     for epoch in run.epochs():
         for step, images, labels in run.batches(epoch):
             # own: the schedule, the augmented views, the step

@@ -248,6 +248,7 @@ def main(argv=None):
 
     # shared: the run folder; a checkpoint there is continued
     run = common.Run(args, ctx, data, backbone, states)
+    # shared: the epochs still to train, each one's steps
     for epoch in run.epochs():
         for step, images, labels in run.batches(epoch):
             # own: the schedule, the augmented views, the step

@@ -256,11 +256,12 @@ def entropy_by_dictionary(run, anchors=256):
     a = min(anchors, len(x1) // 2)
     # In float64: at a large K every W_i lies closer to 1 than
     # float32 resolves.
-    q = query(x1[:a]).double()  # (A, D)
-    k = key(x2[:a]).double()  # (A, D) the positives
+    # Encoder -> (projections, backbone features): the first.
+    q = query(x1[:a])[0].double()  # (A, D)
+    k = key(x2[:a])[0].double()  # (A, D) the positives
     # Other images' keys only: no anchor meets its positive
     # among the negatives.
-    keys = F.normalize(key(x2[a:]).double(), dim=1)
+    keys = F.normalize(key(x2[a:])[0].double(), dim=1)
     sizes = [2 ** i for i in range(17) if 2 ** i <= len(keys)]
     entropy = {}
     for tau in TAUS:

@@ -266,10 +266,10 @@ def ops_in(fn):
     return counter.ops
 
 
-def dispatch_steps(method, ctx_device, batch=DISPATCH.batch):
+def dispatch_steps(method, ctx_device, batch=DISPATCH.batch, folder=None):
     """The method's main() at `batch` images of 4 px, stopped after its second step ->
     its views and that step's parts to replay: common.Augment (the file's recipes), train_step,
-    the bare step."""
+    the bare step. Its run folder: in `folder` (every rank's), or a temporary one."""
     module = importlib.import_module(method)
     s = {}
     augment_call = common.Augment.__call__
@@ -285,7 +285,9 @@ def dispatch_steps(method, ctx_device, batch=DISPATCH.batch):
             s["calls"], s["call"] = s["recorder"].stop(), (args, kwargs)
 
     data = held_data(DISPATCH, ctx_device)
-    with tempfile.TemporaryDirectory() as out, contextlib.ExitStack() as undo:
+    temporary = tempfile.TemporaryDirectory() if folder is None else contextlib.nullcontext(folder)
+    with temporary as out, contextlib.ExitStack() as undo:
+        out = os.path.join(out, method)
         common.Augment.__call__ = augment
         undo.callback(setattr, common.Augment, "__call__", augment_call)
         argv = command(method, DISPATCH, ctx_device.type, out, "--batch-size", batch)
@@ -319,7 +321,8 @@ def two_process_worker(rank, port, methods, out):
     torch.set_num_threads(1)
     ops = {}
     for method in methods:
-        steps = dispatch_steps(method, torch.device("cpu"), 2 * DISPATCH.batch)[1]
+        steps = dispatch_steps(method, torch.device("cpu"), 2 * DISPATCH.batch,
+                               os.path.dirname(out))[1]
         with OpCounter() as counter:
             steps["step"]()
         ops[method] = counter.ops, counter.collectives
