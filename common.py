@@ -181,7 +181,8 @@ class _BatchNormStep(torch.autograd.Function):
 
 class _FusedBatchNormStep(torch.autograd.Function):
     """_BatchNormStep in nn.SyncBatchNorm's kernels, with no mask:
-    every rank has as many rows."""
+    every rank has as many rows (train_batches gives each rank b,
+    the remainder dropped), so the counts are this rank's."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, bn):
@@ -209,6 +210,8 @@ class _FusedBatchNormStep(torch.autograd.Function):
         sums = all_reduce_sum(torch.cat(sums)).chunk(2)
         dx = torch.batch_norm_backward_elemt(
             dy, x, mean, invstd, weight, *sums, counts)
+        if not affine:  # the NHWC and (N, C) kernels give empty(0)
+            return dx, None, None, None
         return dx, grad_weight, grad_bias, None
 
 

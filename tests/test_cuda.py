@@ -3,8 +3,9 @@ user runs it (its defaults' probes, MoCo v2's momentum probe, an authors' linear
 --compile, a resume) and makes the host wait for nothing; a streamed image folder; the global
 BatchNorm's fused kernels are nn.BatchNorm's; 2 GPUs train as one. Skipped without CUDA; the
 2-process tests need 2 GPUs. The method files are the README's quick start's
-(helpers.QUICK_START), each made tiny (helpers.tiny). The GPU check runs this file in two parts
-(the compile tests, named "compiled", last) beside benchmarks/speed.py:
+(helpers.QUICK_START), each made tiny (helpers.tiny). The GPU check runs this file in three parts
+(the global BatchNorm's tests first, the compile tests, named "compiled", last) beside
+benchmarks/speed.py:
 
     bash benchmarks/gpu_check.sh LOGS
 
@@ -34,6 +35,7 @@ from helpers import (QUICK_START, ROOT, check_run_folder, run_distributed,
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import speed  # noqa: E402
+from test_global_batchnorm import LAYOUTS, assert_same_rows_on_two_ranks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
@@ -343,6 +345,19 @@ def test_the_global_batchnorms_cuda_path_at_one_process_is_nn_batchnorm(case, pr
         tolerance = elementwise if key in ("out", "grad_x") else statistics
         torch.testing.assert_close(fused[key].float(), value.float(), rtol=tolerance,
                                    atol=tolerance, msg=key)
+
+
+@pytest.mark.parametrize("precision", ["float32", "bf16"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "no affine"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_global_batchnorms_cuda_path_at_a_world_of_two_on_one_gpu(layout, affine, precision):
+    """What 8 GPUs run, on one: torch's fused kernels in common.GlobalBatchNorm's step as one
+    rank of 2 that hold the same rows (the gather and the all-reduce standing in) against
+    nn.BatchNorm on the rows doubled, within DOUBLED_TOLERANCES: (N, C), NCHW and NHWC, affine
+    and not (SimSiam's and BYOL's projectors end in BatchNorm1d(affine=False)), float32 and
+    bf16 under autocast (tests/test_global_batchnorm.py, same_rows_on_two_ranks)."""
+    bf16_or_skip(precision)
+    assert_same_rows_on_two_ranks(layout, affine, precision, "cuda")
 
 
 # ------------------------------------------------------------------------------ 2 GPUs

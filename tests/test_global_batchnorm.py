@@ -4,11 +4,13 @@ BatchNorm on the global batch, as today's readable math below was;
 it costs what a BatchNorm costs; under bf16 autocast it returns
 what nn's returns, so bf16 at 2 processes is bf16 at one. Its CUDA
 path, in torch's fused kernels (which have no CPU version), runs
-here on stand-ins written from their CUDA sources' arithmetic: that
-checks what it passes them; tests/test_cuda.py runs the kernels.
+here on stand-ins that compute and return what the kernels do (their
+CUDA sources': None or empty(0) included); tests/test_cuda.py runs
+the kernels, also as one rank of two on one GPU.
 
 One torchrun run serves every test here (a start costs seconds)."""
 import collections
+import contextlib
 from unittest import mock
 
 import pytest
@@ -17,7 +19,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
-from helpers import run_distributed, small_network
+from helpers import HARNESS, run_distributed, small_network
 
 WORLD = 2
 CASES = {  # the layer, the global batch, affine
@@ -67,11 +69,23 @@ def sums(x):
     return x.sum([d for d in range(x.dim()) if d != 1])
 
 
-# torch's fused BatchNorm kernels (CUDA only) on the CPU, by their
-# CUDA sources' arithmetic (aten/src/ATen/native/cuda/Normalization.cuh)
+# torch's fused BatchNorm kernels (CUDA only) on the CPU, as their CUDA sources compute and
+# return (aten/src/ATen/native/cuda/Normalization.cu and .cuh, torch 2.14): statistics and sums
+# in the accumulation type (float32 for a bf16 input), outputs in the input's dtype.
+def accumulation(x):
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
+def channels_last_kernels(t):
+    """Normalization.cu's batch_norm_use_channels_last_kernels: NHWC, and (N, C) contiguous,
+    whose channels are its fastest dimension too."""
+    nhwc = t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+    return nhwc or (t.is_contiguous() and t.stride(1) == 1)
+
+
 def batch_norm_stats(x, eps):
-    var, mean = torch.var_mean(x, [d for d in range(x.dim()) if d != 1],
-                               correction=0)
+    x = x.to(accumulation(x))
+    var, mean = torch.var_mean(x, [d for d in range(x.dim()) if d != 1], correction=0)
     return mean, (var + eps).rsqrt()
 
 
@@ -81,29 +95,42 @@ def batch_norm_gather_stats_with_counts(x, means, invstds, running_mean,
     n, weights = counts.sum(), counts[:, None] / counts.sum()
     mean = (weights * means).sum(0)  # (C,)
     var = (weights * (invstds ** -2 - eps + (means - mean) ** 2)).sum(0)
-    running_mean.lerp_(mean, momentum)
-    running_var.lerp_(var * n / (n - 1), momentum)
+    running_mean.lerp_(mean.to(running_mean), momentum)
+    running_var.lerp_((var * n / (n - 1)).to(running_var), momentum)
     return mean, (var + eps).rsqrt()
 
 
 def batch_norm_elemt(x, weight, bias, mean, invstd, eps):
-    y = (x - per_channel(x, mean)) * per_channel(x, invstd)
-    return y if weight is None else y * per_channel(x, weight) + per_channel(x, bias)
+    y = (x.to(mean) - per_channel(x, mean)) * per_channel(x, invstd)
+    if weight is not None:
+        y = y * per_channel(x, weight) + per_channel(x, bias)
+    return y.to(x.dtype)
 
 
 def batch_norm_backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
-    sum_dy, sum_dy_xmu = sums(dy), sums(dy * (x - per_channel(x, mean)))
-    return (sum_dy, sum_dy_xmu, sum_dy_xmu * invstd if weight_g else None,
-            sum_dy if bias_g else None)
+    """sum(dy), sum(dy (x - mean)), grad_weight, grad_bias. The channels-last kernels (NHWC, and
+    (N, C) contiguous) return the last two whatever the flags, and with no weight `empty(0)`,
+    not None; the others return each only where its flag asks."""
+    dy_, x_ = dy.to(mean), x.to(mean)
+    sum_dy, sum_dy_xmu = sums(dy_), sums(dy_ * (x_ - per_channel(x, mean)))
+    grad_weight, grad_bias = sum_dy_xmu * invstd, sum_dy
+    if weight is not None:
+        grad_weight, grad_bias = grad_weight.to(weight), grad_bias.to(weight)
+    if channels_last_kernels(dy) and channels_last_kernels(x):
+        if weight is None:  # "because I cannot return an uninitialized at::Tensor"
+            grad_weight = grad_bias = mean.new_empty(0)
+        return sum_dy, sum_dy_xmu, grad_weight, grad_bias
+    return (sum_dy if input_g else None, sum_dy_xmu if input_g else None,
+            grad_weight if weight_g else None, grad_bias if bias_g else None)
 
 
 def batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, counts):
     assert counts.dtype == torch.int32
     n = counts.sum()
-    x_hat = (x - per_channel(x, mean)) * per_channel(x, invstd)
-    dx = dy - per_channel(x, sum_dy / n) - x_hat * per_channel(x, sum_dy_xmu * invstd / n)
+    x_hat = (x.to(mean) - per_channel(x, mean)) * per_channel(x, invstd)
+    dx = dy.to(mean) - per_channel(x, sum_dy / n) - x_hat * per_channel(x, sum_dy_xmu * invstd / n)
     scale = invstd if weight is None else invstd * weight
-    return dx * per_channel(x, scale)
+    return (dx * per_channel(x, scale)).to(x.dtype)
 
 
 KERNELS = {f.__name__: f for f in (
@@ -280,3 +307,104 @@ def test_bf16_at_two_processes_is_bf16_at_one(ranks):
         theirs = torch.cat([g.flatten() for g in one["grads"]])
         error = float((mine - theirs).norm() / theirs.norm())
         assert error <= BF16_GRADIENTS, error
+
+
+# ------------------------------------------------ a world of 2 on one device
+# The fused step's world > 1 arithmetic on one device (tests/test_cuda.py runs it on torch's
+# kernels): two ranks that hold the same rows, the gather giving the rows' statistics twice and
+# the all-reduce doubling the sums, are nn.BatchNorm on the batch doubled.
+LAYOUTS = {"(N, C)": ((32, 16), torch.contiguous_format),
+           "NCHW": ((8, 16, 4, 4), torch.contiguous_format),
+           "NHWC": ((8, 16, 4, 4), torch.channels_last)}
+# Measured on the CPU's stand-ins: float64 1e-15; bf16, one bf16 rounding of an output or input
+# gradient (3.9e-3 relative), float32 statistics and weight gradients 2e-6. The bounds: float64
+# 1e-12, float32 1e-4; bf16 outputs and input gradients 1.6e-2 (4 roundings), the rest 1e-3.
+DOUBLED_TOLERANCES = {"float64": (1e-12, 1e-12), "float32": (1e-4, 1e-4),
+                      "bf16": (1.6e-2, 1e-3)}
+
+
+def same_rows_on_two_ranks(layout, affine, precision, device):
+    """One rank of a world of 2 whose ranks hold the same rows (the fused step, its gather and
+    all-reduce standing in) and nn.BatchNorm on the batch doubled, each a training pass and the
+    backward of a weighted sum, bf16 under autocast -> (rank, doubled): the output, the input
+    gradient, the weight and bias gradients, the running statistics; the doubled batch's first
+    half and half its weight gradients, which are one rank's."""
+    shape, memory_format = LAYOUTS[layout]
+    layer = nn.BatchNorm2d if len(shape) == 4 else nn.BatchNorm1d
+    dtype = {"bf16": torch.bfloat16, "float32": torch.float32}.get(precision, torch.float64)
+    loss_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g) * 3 + 2
+    weights = torch.randn(shape, generator=g)
+    params = torch.rand(2, shape[1], generator=g) + 0.5
+    stand_ins = {"gather": lambda t: torch.cat([t, t]), "all_reduce_sum": lambda t: 2 * t}
+    results = []
+    for doubled in (False, True):
+        bn = layer(shape[1], affine=affine).to(device, loss_dtype)
+        if affine:
+            bn.weight.data.copy_(params[0])
+            bn.bias.data.copy_(params[1] - 1)
+        rows = torch.cat([x, x]) if doubled else x
+        rows = rows.to(device, dtype).contiguous(memory_format=memory_format)
+        rows.requires_grad_()
+        w = (torch.cat([weights, weights]) if doubled else weights).to(device, loss_dtype)
+        w = w.contiguous(memory_format=memory_format)  # dy as a network's: x's layout
+        # the collectives stand in for the forward and the backward
+        collectives = mock.patch.multiple(common, **stand_ins)
+        with contextlib.nullcontext() if doubled else collectives:
+            with torch.autocast(device, torch.bfloat16, enabled=precision == "bf16"):
+                if doubled:
+                    out = bn(rows)
+                else:
+                    out = common._FusedBatchNormStep.apply(rows, bn.weight, bn.bias, bn)
+            assert out.dtype == dtype
+            (out.to(loss_dtype) * w).sum().backward()
+        n = len(x)
+        result = {"out": out[:n], "grad_x": rows.grad[:n],
+                  "running_mean": bn.running_mean, "running_var": bn.running_var}
+        if affine:
+            half = 0.5 if doubled else 1.0
+            result.update(grad_w=bn.weight.grad * half, grad_b=bn.bias.grad * half)
+        results.append({k: v.detach().cpu().double() for k, v in result.items()})
+    return results
+
+
+def assert_same_rows_on_two_ranks(layout, affine, precision, device):
+    rank, doubled = same_rows_on_two_ranks(layout, affine, precision, device)
+    elementwise, statistics = DOUBLED_TOLERANCES[precision]
+    assert rank.keys() == doubled.keys()
+    errors = {}
+    for key, value in doubled.items():
+        tolerance = elementwise if key in ("out", "grad_x") else statistics
+        errors[key] = float(((rank[key] - value).abs() / (1 + value.abs())).max())
+        torch.testing.assert_close(rank[key], value, rtol=tolerance, atol=tolerance, msg=key)
+    print(f"{layout} affine={affine} {precision}: largest error "
+          + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+
+
+@pytest.mark.parametrize("precision", ["float64", "bf16"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "no affine"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_fused_step_at_a_world_of_two_is_batchnorm_on_both_ranks_rows(
+        layout, affine, precision):
+    """On the CPU, torch's fused kernels by their stand-ins (which return what the kernels
+    return): the fused step as one rank of 2 that hold the same rows equals nn.BatchNorm on
+    the rows doubled (same_rows_on_two_ranks), within DOUBLED_TOLERANCES."""
+    with mock.patch.multiple(torch, **KERNELS):
+        assert_same_rows_on_two_ranks(layout, affine, precision, "cpu")
+
+
+@pytest.mark.parametrize("dataset", ["textures", "imagefolder"], ids=["held", "streamed"])
+def test_a_ragged_last_batch_never_reaches_the_step(dataset, tiny_folder):
+    """The fused step counts every rank's rows as its own: the ranks must hold as many rows.
+    common.train_batches drops an epoch's remainder: 70 images at batch 20 (held), 72 (the
+    tiny folder, streamed) at 20, at a world of 2: 3 steps, each rank's every batch 10 rows."""
+    harness = __import__(HARNESS)
+    argv = ["--dataset", dataset, "--data-dir", tiny_folder, "--limit-train", "70",
+            "--batch-size", "20", "--workers", "0", "--out", "/nonexistent"]
+    for rank in range(2):
+        ctx = common.Context(rank, 2, 0, torch.device("cpu"), "", False)
+        data = common.load_data(harness.parse_args(argv), ctx)
+        order = common.epoch_generators(0, 0)[0]
+        rows = [len(y) for _, y in common.train_batches(data, 20, order, ctx)]
+        assert rows == [10] * 3, rows
