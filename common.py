@@ -6,14 +6,14 @@ Part 1, what the methods build on (read it beside a method file):
   ResNet: torchvision's at any width, CIFAR stem up to 64 px
   augmentation: Recipe, Augment (per-sample draws), its ops
   data: load_data, the held sets, ImageFiles (streamed), batches
-  evaluation: kNN, the linear probes, evaluate
+  evaluation: kNN, the fixed linear probe, evaluate
   optimisers: learning_rate, LARS
 Part 2, the run, which changes nothing a method computes:
   errors and options: UserError, run, add_common_args, parse_args
   this process and its run: setup; open_run (rank 0 decides what
     --out holds, every rank follows)
-  the run folder: EpochMeter, Run (how a run continues, each
-    epoch's end, the run's), write_atomic
+  the run folder: EpochMeter, Run (continue, each epoch's end, the
+    run's end), write_atomic
 """
 import argparse
 import contextlib
@@ -25,8 +25,6 @@ import json
 import math
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -121,9 +119,10 @@ def all_reduce_sum(x):
 
 
 class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm over all ranks' rows in training: one collective
-    each way, no host sync (torch's SyncBatchNorm: 3 a layer). On
-    CUDA torch's fused kernels; the CPU has none."""
+    """BatchNorm over all ranks' rows in training, one collective
+    each way and no host sync (torch's SyncBatchNorm waits on the
+    host once a layer). On CUDA torch's fused kernels; the CPU has
+    none, and autograd goes through gather_with_grad instead."""
 
     def _check_input_dim(self, x):  # (B, C) and (B, C, H, W) alike
         pass
@@ -131,56 +130,36 @@ class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
     def forward(self, x):
         if not self.training:
             return super().forward(x)
-        step = _FusedBatchNormStep if x.is_cuda else _BatchNormStep
-        return step.apply(x, self.weight, self.bias, self)
+        if x.is_cuda:
+            return _FusedBatchNormStep.apply(x, self.weight, self.bias, self)
+        return global_batch_norm(x, self)
 
 
-class _BatchNormStep(torch.autograd.Function):
-    """The ranks' (mean, var) gathered; the textbook backward
-    (Ioffe & Szegedy 2015, Sec. 3), its sums all-reduced."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, bn):
-        dims = [d for d in range(x.dim()) if d != 1]
-        var, mean = torch.var_mean(float32(x), dims, correction=0)
-        stats = gather(torch.stack([mean, var])[None])  # (world, 2, C)
-        means, variances = stats.unbind(1)  # (world, C) each
-        # equal rows per rank: the mean variance + the means' one
-        spread, mean = torch.var_mean(means, 0, correction=0)
-        var = variances.mean(0) + spread  # (C,)
-        n = x.numel() // x.shape[1] * len(means)  # values per channel
+def global_batch_norm(x, bn):
+    """The CPU's: each rank's (mean, var) gathered with their
+    gradient, then BatchNorm's formula with the global ones."""
+    dims = [d for d in range(x.dim()) if d != 1]
+    var, mean = torch.var_mean(float32(x), dims, correction=0)
+    stats = gather_with_grad(torch.stack([mean, var])[None])
+    means, variances = stats.unbind(1)  # (world, C) each
+    # equal rows per rank: the mean variance + the means' spread
+    mean = means.mean(0)  # (C,)
+    var = (variances + (means - mean) ** 2).mean(0)
+    n = x.numel() // x.shape[1] * len(means)  # values per channel
+    with torch.no_grad():
         bn.running_mean.lerp_(mean, bn.momentum)
         unbiased = var * (n / (n - 1))  # as torch's
         bn.running_var.lerp_(unbiased, bn.momentum)
         bn.num_batches_tracked.add_(1)
-        ctx.save_for_backward(x, weight, mean, var)
-        ctx.n = n
-        ctx.eps = bn.eps
-        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, bn.eps)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, mean, var = ctx.saved_tensors
-        dims = [d for d in range(x.dim()) if d != 1]
-        shape = [1, -1] + [1] * (x.dim() - 2)  # per channel
-        # recomputed, not saved: a second activation
-        x_hat = F.batch_norm(
-            float32(x), mean, var, None, None, False, 0.0, ctx.eps)
-        dy = float32(dy)
-        sums = torch.stack([dy.sum(dims), (dy * x_hat).sum(dims)])
-        mean_dy, mean_dy_x_hat = all_reduce_sum(sums) / ctx.n
-        # dx = (dy - mean_dy - x_hat mean_dy_x_hat) weight /
-        # sqrt(var + eps): batch_norm with mean_dy as its mean.
-        partial = dy - x_hat * mean_dy_x_hat.view(shape)
-        dx = F.batch_norm(
-            partial, mean_dy, var, weight, None, False, 0.0, ctx.eps)
-        if weight is None:
-            return dx.to(x.dtype), None, None, None
-        return dx.to(x.dtype), sums[1], sums[0], None
+    shape = [1, -1] + [1] * (x.dim() - 2)  # per channel
+    y = (float32(x) - mean.view(shape)) / (var.view(shape) + bn.eps).sqrt()
+    if bn.affine:
+        y = y * bn.weight.view(shape) + bn.bias.view(shape)
+    return y.to(x.dtype)  # as nn's under autocast
 
 
 class _FusedBatchNormStep(torch.autograd.Function):
-    """_BatchNormStep in nn.SyncBatchNorm's kernels, with no mask:
+    """global_batch_norm in nn.SyncBatchNorm's kernels, with no mask:
     every rank has as many rows (train_batches gives each rank b,
     the remainder dropped), so the counts are this rank's."""
 
@@ -758,18 +737,6 @@ def epoch_generators(seed, epoch):
     return order, views
 
 
-def quiet_worker(worker_id):
-    """A DataLoader worker ends at once and quietly on SIGINT or
-    SIGTERM; its process, signalled too, says the one line. (Not
-    ignored: Python's exit ends its workers with SIGTERM.)"""
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: os._exit(0))
-    # The job's end may cut short its thread that hands tensors
-    # over, which reports to sys.excepthook (its own errors reach
-    # its process as data).
-    sys.excepthook = lambda *error: None
-
-
 def train_batches(data, batch_size, generator, ctx, workers=0):
     """One epoch's (images, labels) on the device, rank r's rows [r b,
     (r + 1) b) of each global batch."""
@@ -783,8 +750,7 @@ def train_batches(data, batch_size, generator, ctx, workers=0):
     data.train.seed = int(torch.randint(2 ** 62, (1,), generator=generator))
     subset = torch.utils.data.Subset(data.train, mine.flatten().tolist())
     loader = torch.utils.data.DataLoader(
-        subset, b, num_workers=workers, worker_init_fn=quiet_worker,
-        pin_memory=ctx.device.type == "cuda")
+        subset, b, num_workers=workers, pin_memory=ctx.device.type == "cuda")
     return ((views.to(ctx.device, non_blocking=True),
              labels.to(ctx.device, non_blocking=True))
             for views, labels in loader)
@@ -809,7 +775,7 @@ def extract_features(backbone, split, data, ctx, workers=0, unit=True):
         batches = torch.utils.data.DataLoader(
             torch.utils.data.Subset(split, range(lo, hi)), 256,
             num_workers=workers, pin_memory=device.type == "cuda",
-            worker_init_fn=quiet_worker, generator=torch.Generator())
+            generator=torch.Generator())
     dtype = torch.float16 if unit else torch.float32
     features = torch.zeros(
         share, backbone.out_dim, device=device, dtype=dtype)
@@ -858,45 +824,6 @@ def linear_classifier(dim, classes, device, seed, std=None):
     return layer.to(device)
 
 
-# --linear-protocol: the final probe's settings, lr per 256 images
-LINEAR_PROTOCOLS = {
-    # this project's own: the kNN bank's features, standardised
-    "fixed": dict(optimizer="adamw", lr=1e-3, epochs=100, batch=256),
-    # GSG Sec. 5.1 "Linear evaluation" (CIFAR-10), momentum 0.9;
-    # assumed: crop+flip views, wd 0
-    "gsg-cifar": dict(
-        optimizer="sgd", lr=30.0, epochs=90, batch=256, schedule="cosine"),
-    # facebookresearch/moco main_lincls.py: --lr 30, -b 256,
-    # --epochs 100, --schedule 60 80, wd 0
-    "moco": dict(
-        optimizer="sgd", lr=30.0, epochs=100, batch=256, schedule="steps"),
-    # facebookresearch/simsiam main_lincls.py --lars (as
-    # bych-lee/gsg): apex LARC, no clip, bias too
-    "simsiam-imagenet": dict(
-        optimizer="lars", lr=0.1, epochs=90, batch=4096, schedule="cosine"),
-}
-
-
-def train_linear(classifier, optimizer, batches, epochs, lr=None,
-                 scheduler=None, world=1):
-    """The probes' loop: cross-entropy steps, lr(epoch)."""
-    for epoch in tqdm(range(epochs), "linear probe", leave=False,
-                      disable=hide_bar(rank())):
-        if lr:
-            for group in optimizer.param_groups:
-                group["lr"] = lr(epoch)
-        for features, y in batches(epoch):
-            loss = F.cross_entropy(classifier(features), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if world > 1:  # the mean of the ranks' gradients
-                for p in classifier.parameters():
-                    p.grad = all_reduce_sum(p.grad) / world
-            optimizer.step()
-            if scheduler:
-                scheduler.step()
-
-
 @torch.no_grad()
 def top1(classify, features, labels):
     """Top-1 % over the labelled rows, 65536 at a time."""
@@ -907,10 +834,11 @@ def top1(classify, features, labels):
 
 
 def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs,
-                 lr, batch, seed=0):
-    """`fixed`: the kNN bank's features (unit length, float16)
-    standardised, a linear classifier from zero, AdamW, cosine ->
-    test top-1 %."""
+                 seed=0, lr=1e-3, batch=256):
+    """The fixed-feature probe, this project's own: the kNN bank's
+    features (unit length, float16) standardised, a linear layer
+    from zero, AdamW, cosine -> test top-1 %. The authors' probes,
+    on augmented views, are benchmarks/linear_eval.py."""
     rows = (train_y >= 0).nonzero()[:, 0]  # labelled
     # chunks (train_f[rows] copies the bank); float64: E[f^2] -
     # E[f]^2 cancels
@@ -933,61 +861,18 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs,
     steps = epochs * -(-len(rows) // batch)
     cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
     generator = torch.Generator(device=device).manual_seed(seed)
-
-    def batches(epoch):
+    for _ in tqdm(range(epochs), "linear probe", leave=False,
+                  disable=hide_bar(rank())):
         perm = torch.randperm(
             len(rows), generator=generator, device=rows.device)
         for r in rows[perm].split(batch):
-            yield standardised(train_f[r]), train_y[r]
-
-    train_linear(classifier, optimizer, batches, epochs, scheduler=cosine)
+            logits = classifier(standardised(train_f[r]))
+            loss = F.cross_entropy(logits, train_y[r])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            cosine.step()
     return top1(lambda f: classifier(standardised(f)), test_f, test_y)
-
-
-def linear_probe_augmented(backbone, data, ctx, protocol, test, epochs,
-                           lr, batch, seed=0, workers=0):
-    """An authors' probe on the frozen backbone, crop + flip views;
-    `test`: the test split's (features, labels)."""
-    own = LINEAR_PROTOCOLS[protocol]
-    if data.streaming:  # the workers crop and flip
-        images = ImageFiles(data.eval_train.samples, data.image_size, crops=1)
-        labels = data.train_labels
-    else:
-        images, labels = data.eval_train
-    probe_set = replace(data, train=images, train_labels=labels)
-    batch = max(1, min(batch, len(labels)) // ctx.world) * ctx.world
-    peak = lr * batch / 256
-    classifier = linear_classifier(
-        backbone.out_dim, data.num_classes, ctx.device, seed, std=0.01)
-    params = classifier.parameters()
-    if own["optimizer"] == "lars":
-        optimizer = LARS(params, peak, momentum=0.9, eta=0.001)
-    else:
-        optimizer = torch.optim.SGD(params, peak, 0.9)
-    recipe = Recipe(jitter=(0, 0, 0, 0), gray_p=0)
-    augment = Augment([recipe], data.image_size, data.mean, data.std, ctx)
-
-    def lr_at(epoch):  # as main_lincls.py's adjust_learning_rate
-        if own["schedule"] == "cosine":
-            return peak * 0.5 * (1 + math.cos(math.pi * epoch / epochs))
-        # MoCo's steps: x0.1 at epochs 60, 80 of 100; here 60%, 80%
-        passed = sum(epoch >= f * epochs for f in (0.6, 0.8))
-        return peak * 0.1 ** passed
-
-    def batches(epoch):
-        order, views = epoch_generators(seed + 1, epoch)
-        for x, y in train_batches(probe_set, batch, order, ctx, workers):
-            x = augment(x, views)[0]  # float32, as in pre-training
-            with torch.no_grad(), ctx.autocast():
-                features = backbone(x)
-            yield features.float(), y
-
-    was_training = backbone.training
-    backbone.eval()  # BatchNorm keeps its statistics
-    train_linear(classifier, optimizer, batches, epochs, lr=lr_at,
-                 world=ctx.world)
-    backbone.train(was_training)
-    return top1(classifier, *test)
 
 
 @torch.no_grad()
@@ -1000,8 +885,8 @@ def split_features(backbone, data, ctx, workers=0):
     return (*train, *test)
 
 
-def evaluate(features, backbone, data, ctx, args, final=False):
-    """kNN top-1; `final`: k=1 and the linear probe too."""
+def evaluate(features, data, args, final=False):
+    """kNN top-1; `final`: k=1 and the fixed linear probe too."""
     train_f, train_y, test_f, test_y = features
     test_unit = F.normalize(test_f, dim=1).to(train_f.dtype)
 
@@ -1013,22 +898,10 @@ def evaluate(features, backbone, data, ctx, args, final=False):
     if not final:
         return result
     result.update(knn_k=args.knn_k, knn_k1_top1=knn(1), epochs=args.epochs)
-    protocol = args.linear_protocol
-    own = LINEAR_PROTOCOLS[protocol]
-    given = dict(epochs=args.linear_epochs, lr=args.linear_lr,
-                 batch=args.linear_batch)
-    settings = {k: own[k] if v is None else v for k, v in given.items()}
-    if not settings["epochs"]:
-        return result
-    if protocol == "fixed":
-        linear = linear_probe(
+    if args.linear_epochs:
+        result["linear_top1"] = linear_probe(
             train_f, train_y, test_unit, test_y, data.num_classes,
-            seed=args.seed, **settings)
-    else:
-        linear = linear_probe_augmented(
-            backbone, data, ctx, protocol, (test_f, test_y),
-            seed=args.seed, workers=args.workers, **settings)
-    result.update(linear_top1=linear, linear_protocol=protocol)
+            args.linear_epochs, args.seed)
     return result
 
 
@@ -1118,49 +991,16 @@ class UserError(Exception):
         self.every_rank = every_rank
 
 
-# This process's run: its script, command line and folder.
-RUN = {"script": None, "argv": None, "out": None, "parser": None}
-
-
-def stop(signum, frame):
-    """SIGTERM as Ctrl-C: the run ends where it is. A second signal
-    (torchrun passes the job's on) would break that ending."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-def pending_signals():
-    """Any Python call runs the signal handlers due."""
-
-
 def run(main):
-    """main() as a command: Ctrl-C or SIGTERM is one line, exit
-    status 128 + the signal; a UserError one line, status 2; any
-    other exception a bug, with its traceback."""
+    """main() as a command: a UserError is one line and exit status
+    2; any other exception is a bug, with its traceback. Signals
+    are Python's: Ctrl-C is a KeyboardInterrupt, and a killed run
+    is continued by its command (README.md, "The run folder")."""
     rank = int(os.environ.get("RANK", 0))
-    previous = signal.getsignal(signal.SIGINT)
-    previous = previous, signal.signal(signal.SIGTERM, stop)
     try:
-        try:
-            main()
-        finally:
-            # A signal that came while a collective blocked: its
-            # handler runs at this call, while it is still ours (the
-            # other ranks' ending broke the collective).
-            pending_signals()
-    except KeyboardInterrupt as error:
-        name = error.args[0] if error.args else "SIGINT"
-        kept = "no checkpoint was written yet"
-        saved = os.path.join(RUN["out"] or "", "checkpoint.pt")
-        if RUN["out"] and os.path.exists(saved):
-            kept = (f"the last checkpoint is kept: continue with --resume "
-                    f"{RUN['out']}")
-        if rank == 0:
-            print(f"stopped ({name}); {kept}", file=sys.stderr)
-        sys.exit(128 + signal.Signals[name])
+        main()
     except UserError as error:
-        # A DataLoader worker's ends its traceback.
+        # A DataLoader worker's error ends its traceback's text.
         message = str(error).strip().split("\n")[-1]
         message = message.split("UserError: ")[-1]
         if rank != 0:
@@ -1168,16 +1008,11 @@ def run(main):
                 sys.exit(2)
             # Rank 0 speaks for all, torchrun ends the rest in this
             # wait; a rank that failed alone speaks after it.
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(10)
         where = f" (rank {rank})" if rank else ""
         print(f"error{where}: {message}", file=sys.stderr)
         sys.exit(2)
     finally:
-        signal.signal(signal.SIGINT, previous[0])
-        signal.signal(signal.SIGTERM, previous[1])
-        for bar in list(tqdm._instances):
-            bar.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -1254,19 +1089,12 @@ def add_common_args(parser):
       help="random crop's area range")
     a("--out", help="run folder (runs/<script>-<time>-<pid>); the "
       "same command again continues its run")
-    a("--resume", metavar="RUN", help="continue RUN as it was started")
     a("--eval-every", type=positive_int, default=10,
       help="kNN monitor every N epochs (and last)")
     a("--knn-k", type=positive_int, default=200, help="kNN neighbours")
     a("--knn-t", type=positive_float, default=0.1, help="kNN temperature")
-    a("--linear-protocol", choices=list(LINEAR_PROTOCOLS), default="fixed",
-      help="the final probe: common.LINEAR_PROTOCOLS")
-    a("--linear-epochs", type=non_negative_int,
-      help="probe epochs (None: the protocol's; 0: none)")
-    a("--linear-lr", type=positive_float,
-      help="probe lr per 256 (None: the protocol's)")
-    a("--linear-batch", type=positive_int,
-      help="probe batch (None: the protocol's)")
+    a("--linear-epochs", type=non_negative_int, default=100,
+      help="the fixed-feature probe's epochs (0: none)")
     a("--seed", type=seed_value, default=0)
     a("--device", type=device_name,
       default="cuda" if torch.cuda.is_available() else "cpu",
@@ -1279,54 +1107,22 @@ def add_common_args(parser):
 
 # Options that change nothing a run trains: a run continues
 # under other values of them (another machine, another GPU).
-MAY_DIFFER = ("workers", "device", "out", "resume")
+MAY_DIFFER = ("workers", "device", "out", "argv")
 
 
 def parse_args(parser, argv, script):
-    """The options; with --resume RUN, RUN's own (but MAY_DIFFER's)."""
+    """The options, with the script's name and its command line."""
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parser.parse_args(argv)
     if args.crop_scale and args.crop_scale[0] > args.crop_scale[1]:
         parser.error("--crop-scale: MIN > MAX")
-    if args.resume:
-        folder = args.resume
-        if trained_options(args) != trained_options(parser.parse_args([])):
-            raise UserError(
-                f"--resume {folder} continues that run as it was "
-                f"started, with no other option; to train it otherwise, "
-                f"start a new --out")
-        config = read_config(folder)
-        if config is None:
-            raise UserError(f"--resume {folder}: no run there")
-        if config["script"] != script:
-            raise UserError(f"--resume {folder}: that run is "
-                            f"{config['script']}.py's, not {script}.py's")
-        ours = args
-        argv = config["argv"]
-        args = parser.parse_args(argv)
-        for name in MAY_DIFFER:
-            setattr(args, name, getattr(ours, name))
-        args.out = folder
-    RUN.update(script=script, argv=argv, parser=parser)
+    args.script = script
+    args.argv = argv
     return args
 
 
-def trained_options(args):
-    return {k: v for k, v in vars(args).items() if k not in MAY_DIFFER}
-
-
-def read_config(out):
-    """OUT/config.json, or None where there is none."""
-    path = os.path.join(out, "config.json")
-    if not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-# ---------------------------------------------------- this process and its run
-def command_line(script, argv):
-    return shlex.join([f"{script}.py", *argv])
+def command_line(args):
+    return shlex.join([f"{args['script']}.py", *args["argv"]])
 
 
 def choose_device(name, world, local_rank):
@@ -1375,12 +1171,11 @@ def setup(args):
         dist.init_process_group("nccl" if cuda else "gloo",
                                 device_id=device if cuda else None)
     if args.out is None:
-        name = f"{RUN['script']}-{time.strftime('%Y%m%d-%H%M%S')}"
+        name = f"{args.script}-{time.strftime('%Y%m%d-%H%M%S')}"
         out = [os.path.join("runs", f"{name}-{os.getpid()}")]
         if world > 1:  # rank 0's, for every rank
             dist.broadcast_object_list(out, src=0)
         args.out = out[0]
-    RUN["out"] = args.out
     amp = cuda and args.amp  # unset: where the GPU has native bf16
     if cuda and args.amp is None:
         amp = torch.cuda.is_bf16_supported(including_emulation=False)
@@ -1388,95 +1183,55 @@ def setup(args):
 
 
 def open_run(args, ctx):
-    """Rank 0 decides what --out holds and every rank follows
-    (README.md, "The run folder") -> True where the run continues.
-    A rank that does not see rank 0's folder stops every rank."""
-    verdict = [None, None, None]  # config.json's text, action, refusal
+    """Rank 0 decides what --out holds, every rank follows (README.md,
+    "The run folder") -> True where the run continues."""
+    verdict = [None, None]  # rank 0's: new or continue, a refusal
     if ctx.rank == 0:
         try:
-            verdict = look_in(args, ctx)
+            verdict = [look_in(args), None]
         except UserError as error:
-            verdict = [None, None, str(error)]
+            verdict = [None, str(error)]
     if ctx.world > 1:
         dist.broadcast_object_list(verdict, src=0)
-    text, action, refusal = verdict
+    action, refusal = verdict
     if refusal:
         raise UserError(refusal, every_rank=True)
     if action == "finished":
         if ctx.rank == 0:
             print(f"{args.out} is finished (results.json)", file=sys.stderr)
         sys.exit(0)  # a requeue of a finished run succeeds at once
-    if ctx.world > 1:
-        sees = False
-        with contextlib.suppress(OSError):
-            with open(os.path.join(args.out, "config.json")) as f:
-                sees = f.read() == text
-        if action == "continue":
-            checkpoint = os.path.join(args.out, "checkpoint.pt")
-            sees = sees and os.path.exists(checkpoint)
-        seen = [None] * ctx.world
-        dist.all_gather_object(seen, sees)
-        if not all(seen):
-            raise UserError(
-                f"rank {seen.index(False)} does not see {args.out} as "
-                f"rank 0 wrote it: --out must be on a disk every node "
-                f"sees", every_rank=True)
     return action == "continue"
 
 
-def look_in(args, ctx):
-    """Rank 0's verdict: [config.json's text, action, None], the
-    action new, continue or finished; a refusal is a UserError."""
+def look_in(args):
+    """new, continue or finished; another command's run, refused."""
+    ours = json.loads(json.dumps(vars(args)))  # as config.json has it
     path = os.path.join(args.out, "config.json")
-    config = read_config(args.out)
-    if config is not None:
-        differ = another_command(config)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            theirs = json.load(f)["args"]
+        differ = [f"--{k.replace('_', '-')}" for k in ours
+                  if k not in MAY_DIFFER and theirs.get(k) != ours[k]]
+        if theirs["script"] != args.script:
+            differ = f"not {args.script}.py's"
+        elif differ:
+            differ = f"not this command's (its {', '.join(differ)})"
         if differ:
             raise UserError(
                 f"--out {args.out} holds the run of "
-                f"`{command_line(config['script'], config['argv'])}`, "
-                f"{differ}: run that command again to continue it, or "
-                f"choose another --out")
+                f"`{command_line(theirs)}`, {differ}: run that "
+                f"command again to continue it, or choose another --out")
         if os.path.exists(os.path.join(args.out, "results.json")):
-            return [None, "finished", None]
+            return "finished"
         if os.path.exists(os.path.join(args.out, "checkpoint.pt")):
-            with open(path, encoding="utf-8") as f:
-                return [f.read(), "continue", None]
+            return "continue"
         # No checkpoint yet (its first epoch failed): it starts again.
     versions = dict(python=sys.version.split()[0], torch=torch.__version__)
-    versions.update(git_commit())
-    config = dict(script=RUN["script"], argv=RUN["argv"],
-                  args=vars(args), world_size=ctx.world, versions=versions)
-    text = json.dumps(config, indent=2)
+    config = dict(command=command_line(ours), args=ours,
+                  world_size=world_size(), versions=versions)
     write_atomic(os.path.join(args.out, "metrics.jsonl"), b"")
-    write_atomic(path, text.encode())
-    return [text, "new", None]
-
-
-def another_command(config):
-    """How this command differs from config.json's, or None: the
-    options once parsed (any order), but MAY_DIFFER's."""
-    if config["script"] != RUN["script"]:
-        return f"not {RUN['script']}.py's"
-    parser = RUN["parser"]
-    theirs = trained_options(parser.parse_args(config["argv"]))
-    ours = trained_options(parser.parse_args(RUN["argv"]))
-    differ = [f"--{k.replace('_', '-')}" for k in ours
-              if theirs.get(k) != ours[k]]
-    if not differ:
-        return None
-    return f"not this command's (its {', '.join(differ)})"
-
-
-def git_commit():
-    """{"git_commit": this code's commit} where git answers, or {}."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here,
-                             capture_output=True, text=True)
-    except OSError:  # no git on the PATH
-        return {}
-    return {"git_commit": git.stdout.strip()} if git.returncode == 0 else {}
+    write_atomic(path, json.dumps(config, indent=2).encode())
+    return "new"
 
 
 # -------------------------------------------------------------- the run folder
@@ -1618,8 +1373,7 @@ class Run:
         """The kNN monitor and `also` -> (features, results)."""
         features = split_features(
             self.backbone, self.data, self.ctx, self.args.workers)
-        result = evaluate(
-            features, self.backbone, self.data, self.ctx, self.args)
+        result = evaluate(features, self.data, self.args)
         if self.also:
             result.update(self.also(*features[2:]))
         return features, result
@@ -1662,25 +1416,26 @@ class Run:
             kept = "no checkpoint was written"
         raise UserError(f"{what} in epoch {record['epoch']}; {kept}. Lower "
                         f"--lr, check --wd and the temperatures, or try "
-                        f"--no-amp, in a new --out")
+                        f"--no-amp, in a new --out", every_rank=True)
 
     def finish(self):
         """The final evaluation, on the last epoch's features where
         they are at hand: backbone.pt, results.json."""
         features, results = self.last or self.monitor()
-        results.update(evaluate(features, self.backbone, self.data,
-                                self.ctx, self.args, final=True))
+        results.update(evaluate(features, self.data, self.args, final=True))
         if self.ctx.rank != 0:
             return
         weights = self.backbone.state_dict()
         weights = {k: v.cpu() for k, v in weights.items()}
         write_atomic(os.path.join(self.args.out, "backbone.pt"), weights)
         path = os.path.join(self.args.out, "results.json")
-        command = command_line(RUN["script"], RUN["argv"])
-        results = {"command": command, **results}
-        write_atomic(path, json.dumps(results, indent=2).encode())
         self.ctx.print(f"final: {one_line(results, '.2f')}\n"
                        f"written to {path}")
+        command = command_line(vars(self.args))
+        # backbone.pt's inputs are normalised by these
+        normalised = dict(mean=self.data.mean, std=self.data.std)
+        results = {"command": command, **results, **normalised}
+        write_atomic(path, json.dumps(results, indent=2).encode())
 
 
 def write_atomic(path, data):

@@ -231,8 +231,9 @@ def draw_pairing(batch_size, mode, generator, ctx):
     their cases; (None, None) for symmetric.
 
     One draw for the global batch from the epoch's CPU generator
-    (no host sync), alike on every rank and GPU model, replayed on
-    --resume, sliced to this rank's rows: N processes pair as one."""
+    (no host sync), alike on every rank and GPU model, replayed by
+    a continued run, sliced to this rank's rows: N processes pair
+    as one."""
     if mode == "symmetric":
         return None, None
     b = batch_size // ctx.world
