@@ -834,7 +834,7 @@ def top1(classify, features, labels):
 
 
 def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs,
-                 seed=0, lr=1e-3, batch=256):
+                 lr=1e-3, batch=256, seed=0):
     """The fixed-feature probe, this project's own: the kNN bank's
     features (unit length, float16) standardised, a linear layer
     from zero, AdamW, cosine -> test top-1 %. The authors' probes,
@@ -901,7 +901,7 @@ def evaluate(features, data, args, final=False):
     if args.linear_epochs:
         result["linear_top1"] = linear_probe(
             train_f, train_y, test_unit, test_y, data.num_classes,
-            args.linear_epochs, args.seed)
+            args.linear_epochs, seed=args.seed)
     return result
 
 
@@ -1126,24 +1126,24 @@ def command_line(args):
 
 
 def choose_device(name, world, local_rank):
-    """--device as a torch.device; under torchrun, LOCAL_RANK's GPU."""
+    """--device as a torch.device; under torchrun, LOCAL_RANK's GPU
+    (GPU 0 where a scheduler gives each process one)."""
     device = torch.device(name)
     if device.type != "cuda":
         return device
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if not gpus:
-        raise UserError(f"--device {name}: no GPU here; use --device cpu")
     if world > 1 and device.index is not None:
         raise UserError(
             f"--device {name}: under torchrun each process takes its "
             f"LOCAL_RANK's GPU; give --device cuda")
+    gpus = torch.cuda.device_count()
     index = device.index
     if index is None:
         index = 0 if gpus == 1 else local_rank
     if index >= gpus:
-        what = f"LOCAL_RANK {local_rank}" if world > 1 else f"--device {name}"
-        raise UserError(f"{what}: this machine has {gpus} GPUs; "
-                        f"use at most {gpus} processes a node")
+        raise UserError(
+            f"--device {name}: no GPU {index} here for LOCAL_RANK "
+            f"{local_rank} ({gpus} GPUs); use --device cpu, or at most "
+            f"{gpus} processes a node")
     return torch.device("cuda", index)
 
 
@@ -1210,13 +1210,12 @@ def look_in(args):
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             theirs = json.load(f)["args"]
-        differ = [f"--{k.replace('_', '-')}" for k in ours
-                  if k not in MAY_DIFFER and theirs.get(k) != ours[k]]
+        changed = [f"--{k.replace('_', '-')}" for k in ours
+                   if k not in MAY_DIFFER and theirs.get(k) != ours[k]]
+        differ = f"not this command's (its {', '.join(changed)})"
         if theirs["script"] != args.script:
             differ = f"not {args.script}.py's"
-        elif differ:
-            differ = f"not this command's (its {', '.join(differ)})"
-        if differ:
+        if changed:  # args.script among them
             raise UserError(
                 f"--out {args.out} holds the run of "
                 f"`{command_line(theirs)}`, {differ}: run that "
@@ -1429,13 +1428,13 @@ class Run:
         weights = {k: v.cpu() for k, v in weights.items()}
         write_atomic(os.path.join(self.args.out, "backbone.pt"), weights)
         path = os.path.join(self.args.out, "results.json")
-        self.ctx.print(f"final: {one_line(results, '.2f')}\n"
-                       f"written to {path}")
         command = command_line(vars(self.args))
+        results = {"command": command, **results}
+        shown = one_line(results, ".2f")
         # backbone.pt's inputs are normalised by these
-        normalised = dict(mean=self.data.mean, std=self.data.std)
-        results = {"command": command, **results, **normalised}
+        results.update(mean=self.data.mean, std=self.data.std)
         write_atomic(path, json.dumps(results, indent=2).encode())
+        self.ctx.print(f"final: {shown}\nwritten to {path}")
 
 
 def write_atomic(path, data):

@@ -472,10 +472,6 @@ def test_corrupt_checkpoint(tiny_folder, tmp_path, capsys):
     fails_with(argv, capsys, "checkpoint.pt does not fit this run or is unreadable")
 
 
-def test_a_folder_without_a_run_is_not_resumed(tmp_path, capsys):
-    fails_with(["--resume", str(tmp_path)], capsys, f"--resume {tmp_path}: no run there")
-
-
 def test_an_untrained_run_writes_every_file_of_a_run_folder(tiny_folder, tmp_path):
     """--epochs 0 (the untrained network, evaluated) still leaves metrics.jsonl, empty: tools
     that read run folders (benchmarks/compare.py) find the same files in every one."""
@@ -486,8 +482,8 @@ def test_an_untrained_run_writes_every_file_of_a_run_folder(tiny_folder, tmp_pat
 
 
 def test_a_new_run_never_overwrites_an_existing_run_folder(tiny_folder, tmp_path, capsys):
-    """A second run with the same --out stops with one line naming --resume; the first run's
-    files are byte-for-byte unchanged."""
+    """A second run with another command and the same --out stops with one line; the first
+    run's files are byte-for-byte unchanged."""
     harness.main(smoke_args(tiny_folder, tmp_path, "--linear-epochs", "0"))
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     assert {"config.json", "checkpoint.pt", "metrics.jsonl", "backbone.pt"} <= before.keys()
@@ -526,7 +522,7 @@ def test_an_unreadable_image_is_named(tiny_folder, tmp_path, capsys):
 
 
 def test_a_failed_start_leaves_no_run_folder(tmp_path, capsys, monkeypatch):
-    """No data, a bad option or a refused --resume: runs/ stays as it was."""
+    """A run that cannot start (no data) leaves runs/ as it was."""
     monkeypatch.chdir(tmp_path)
     for proxy in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
         monkeypatch.setenv(proxy, "http://127.0.0.1:9")

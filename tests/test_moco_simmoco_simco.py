@@ -1,5 +1,6 @@
 """Tests for moco_simmoco_simco.py: the paper's identities (float64, against autograd),
-the queue and the momentum encoder, 2 processes == 1 process, --resume, and smoke runs."""
+the queue and the momentum encoder, 2 processes == 1 process, an exact continuation, and smoke
+runs."""
 import argparse
 import math
 import os

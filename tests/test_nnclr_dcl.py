@@ -1,5 +1,5 @@
 """NNCLR + DCL: the loss with nearest-neighbour positives, the support set,
-distributed equivalence, exact resume and smoke runs of nnclr_dcl.py.
+distributed equivalence, an exact continuation and smoke runs of nnclr_dcl.py.
 
 Identities run in float64. The anchors NN(z) are constants; gradients are taken with respect to
 the predictions p, the only path by which the loss trains the network.
@@ -413,15 +413,9 @@ def tiny_run(folder, out, *extra):
     return smoke_args(folder, out, *SMALL_HEADS, "--support-size", "40", *extra)
 
 
-def test_bad_input_is_a_user_error(tiny_folder, tmp_path):
-    """A support set smaller than the batch, and --resume of another script's run."""
+def test_a_support_set_smaller_than_the_batch_is_a_user_error(tiny_folder, tmp_path):
     with pytest.raises(common.UserError, match="support-size"):
         nnclr_dcl.main(smoke_args(tiny_folder, tmp_path / "a", "--support-size", "8"))
-    os.makedirs(tmp_path / "b")
-    foreign = {"script": "simclr_dcl", "argv": ["--loss", "dcl"]}
-    (tmp_path / "b" / "config.json").write_text(json.dumps(foreign))
-    with pytest.raises(common.UserError, match="that run is simclr_dcl.py's, not nnclr_dcl.py's"):
-        nnclr_dcl.main(["--resume", str(tmp_path / "b")])
 
 
 def test_infonce_run_in_process(tiny_folder, tmp_path):

@@ -1,6 +1,6 @@
 """README.md states what the code does: the functions its "where each idea lives" table names exist,
-each settings table's values are the parsers' defaults, the linear protocols and the options
---resume may change are the code's, its DCLW weight is the one dclw_weights computes, each
+each settings table's values are the parsers' defaults, the linear protocols are the code's, its
+DCLW weight is the one dclw_weights computes, each
 paper's path to learn it selects the tests it promises, and "Adding a method" lists every rule the
 tests hold a method file to."""
 import argparse

@@ -1,4 +1,4 @@
-"""Whole runs of the four scripts: exact resume, weights that load into torchvision, streamed
+"""Whole runs of the four scripts: an exact continuation, weights that load into torchvision, streamed
 image folders, and runs across processes and "nodes" (all on CPU, tiny models)."""
 
 import importlib
@@ -49,8 +49,8 @@ def flat_tensors(obj, prefix=""):
 
 def resume_is_exact(script, extra, folder, tmp_path):
     """SCRIPT on the tiny image folder with `extra`: 2 epochs straight == stopped in epoch 2,
-    then --resume: every tensor of the checkpoint (model, optimizer and the method's own state)
-    and every epoch's loss."""
+    then the same command: every tensor of the checkpoint (model, optimizer and the method's
+    own state) and every epoch's loss."""
     main = importlib.import_module(script).main
     argv = lambda out: smoke_args(  # noqa: E731
         folder, tmp_path / out, "--epochs", "2", "--linear-epochs", "0", *extra)
@@ -58,7 +58,7 @@ def resume_is_exact(script, extra, folder, tmp_path):
     stop_in_epoch(2, argv("split"), script)
     assert not (tmp_path / "split" / "backbone.pt").exists()
     assert len(open(tmp_path / "split" / "metrics.jsonl").readlines()) == 1
-    main(["--resume", str(tmp_path / "split")])
+    main(argv("split"))
     a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=True)
     b = torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=True)
     ta, tb = flat_tensors(a), flat_tensors(b)
