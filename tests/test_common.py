@@ -659,15 +659,15 @@ def test_the_start_up_line_and_results_name_the_run(script, tmp_path, capsys):
 
 
 @pytest.mark.rule("help")
-def test_help_shows_one_default_per_option(capsys):
-    """Each option of each script's --help names its default at most once (an option whose help
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_shows_one_default_per_option(script, capsys):
+    """Each option of the script's --help names its default at most once (an option whose help
     text gives its own default gets no second "(default: None)" from argparse)."""
-    for script in SCRIPTS:
-        with pytest.raises(SystemExit):
-            __import__(script).parse_args(["--help"])
-        options = capsys.readouterr().out.split("\n  -")[1:]  # each option's entry
-        twice = [o.split()[0] for o in options if o.lower().count("default") > 1]
-        assert not twice, (script, twice)
+    with pytest.raises(SystemExit):
+        __import__(script).parse_args(["--help"])
+    options = capsys.readouterr().out.split("\n  -")[1:]  # each option's entry
+    twice = [o.split()[0] for o in options if o.lower().count("default") > 1]
+    assert not twice, (script, twice)
 
 
 class Terminal(io.StringIO):

@@ -163,7 +163,8 @@ def count_syncs(method, argv, tmp_path):
 # Each method file as its quick start runs it; then MoCo v2, whose momentum encoder, queue and
 # momentum probe the quick start's SimCo has not.
 SYNC_RUNS = {**{m: [m] for m in METHODS},
-             "mocov2": ["moco_simmoco_simco", "--method", "mocov2", "--queue-size", "64"]}
+             "moco_simmoco_simco-mocov2": ["moco_simmoco_simco", "--method", "mocov2",
+                                           "--queue-size", "64"]}
 
 
 @pytest.mark.rule("cuda")

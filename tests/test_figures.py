@@ -96,6 +96,7 @@ def test_dcl_fig1_at_its_real_size(runs):
     0; the batch size N doubles along a log-2 axis; the caption gives <q_B> and C_v at the
     smallest and the largest N."""
     fig, saved = figures.dcl_figure([runs["simclr-infonce"]])
+    print(fig.get_supxlabel())
     histogram, mean, cv = fig.axes
     assert [ax.get_yscale() for ax in fig.axes] == ["linear"] * 3
     assert [ax.get_xscale() for ax in fig.axes] == ["linear", "log", "log"]
@@ -134,6 +135,7 @@ def test_dt_fig3_effective_anchors_on_a_linear_axis_from_0(runs, monkeypatch):
     fewest."""
     stats = spy(monkeypatch, moco_simmoco_simco, "anchor_weight_stats")
     fig, saved = figures.dt_figure([runs["mocov2"]])
+    print(fig.get_supxlabel())
     ax, = fig.axes
     assert ax.get_yscale() == "linear" and ax.get_xscale() == "log"
     assert ax.get_ylim()[0] == 0 and ax.get_ylim()[1] >= 128
@@ -169,6 +171,7 @@ def test_gsg_figs4_5_axes_from_0_and_values_in_the_caption(runs):
     near its highest value, all linear; the caption gives each run's first and last values."""
     guided, alone = runs["simsiam-guided"], runs["simsiam-guided-no-predictor"]
     fig, saved = figures.gsg_figure([guided, alone])
+    print(fig.get_supxlabel())
     knn, knn_alone, proj_std = fig.axes
     assert [ax.get_yscale() for ax in fig.axes] == ["linear"] * 3
     assert knn.get_ylim() == (0, 100)

@@ -4,7 +4,6 @@ no loss, head or model of a method file calls a Part 2 function."""
 import ast
 import importlib
 import inspect
-import os
 import re
 
 import pytest
@@ -52,18 +51,17 @@ def test_the_module_docstring_lists_both_parts_sections():
 
 
 @pytest.mark.rule("part-two")
-def test_no_loss_head_or_model_of_a_method_file_calls_part_two():
+@pytest.mark.parametrize("method", METHODS)
+def test_no_loss_head_or_model_of_a_method_file_calls_part_two(method):
     """Every function and class of a method file but main() and parse_args() (its losses, heads,
     FIFOs, training step, recipes) uses only Part 1 of common.py."""
     _, second, _, _ = parts()
-    for module in map(importlib.import_module, METHODS):
-        tree = ast.parse(inspect.getsource(module))
-        for node in tree.body:
-            if not isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                continue
-            if node.name in PLUMBING_IN_METHOD_FILES:
-                continue
-            used = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
-                    and isinstance(n.value, ast.Name) and n.value.id == "common"}
-            assert not used & set(second), (os.path.basename(module.__file__), node.name,
-                                            used & set(second))
+    tree = ast.parse(inspect.getsource(importlib.import_module(method)))
+    for node in tree.body:
+        if not isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            continue
+        if node.name in PLUMBING_IN_METHOD_FILES:
+            continue
+        used = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+                and isinstance(n.value, ast.Name) and n.value.id == "common"}
+        assert not used & set(second), (method, node.name, used & set(second))

@@ -69,25 +69,26 @@ def idea_rows():
 
 
 @pytest.mark.rule("quick-start-line")
-def test_the_quick_start_opens_with_a_textures_run_of_every_script():
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_quick_start_opens_with_a_textures_run_of_every_script(script):
     """Its first commands: T (--dataset textures, a warm-up shorter than the run) and one run of
-    each script on it, which parses; each line names the kNN untrained -> trained it reaches."""
+    each script on it; this script's parses and names the kNN untrained -> trained it reaches."""
     lines = section(readme(), "## Quick start").splitlines()
     start = next(i for i, line in enumerate(lines) if line.strip().startswith("T="))
     t = " ".join(lines[start:start + 2]).split('"')[1].replace("\\", "").split()
     runs = [line.split("#")[0].split() for line in lines[start + 2:start + 2 + len(SCRIPTS)]]
     assert sorted(run[:3] for run in runs) == [["python", f"{s}.py", "$T"] for s in SCRIPTS]
-    for run in runs:
-        args = importlib.import_module(run[1][:-3]).parse_args(t + run[3:])
-        assert args.dataset == "textures" and args.epochs > args.warmup_epochs
+    mine = [run[1] for run in runs].index(f"{script}.py")
+    args = importlib.import_module(script).parse_args(t + runs[mine][3:])
+    assert args.dataset == "textures" and args.epochs > args.warmup_epochs
     # kNN as the median (range) over seeds, untrained -> trained
     number = r"([\d.]+) \(([\d.]+)-([\d.]+)\)"
-    for line in lines[start + 2:start + 2 + len(SCRIPTS)]:
-        found = re.search(f"kNN {number} -> {number}", line)
-        assert found, line
-        for first in (1, 4):  # untrained, trained
-            mid, low, high = (float(found.group(first + i)) for i in range(3))
-            assert low <= mid <= high, line
+    line = lines[start + 2 + mine]
+    found = re.search(f"kNN {number} -> {number}", line)
+    assert found, line
+    for first in (1, 4):  # untrained, trained
+        mid, low, high = (float(found.group(first + i)) for i in range(3))
+        assert low <= mid <= high, line
 
 
 def test_where_each_idea_lives_has_a_row_per_paper_identity():
@@ -151,35 +152,32 @@ def mismatches(stated, args, script):
 
 
 @pytest.mark.rule("settings-table")
-def test_settings_tables_state_each_scripts_parser_defaults():
-    """Each `--option` row of a script's table is its parse_args([]) default; the common table's
-    rows hold for every script whose own table does not state that option."""
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_settings_tables_state_each_scripts_parser_defaults(script):
+    """Each `--option` row of the script's table is its parse_args([]) default; the common
+    table's rows hold for it where its own table does not state that option."""
     stated = settings_tables()
     assert set(stated) == {"common", *SCRIPTS}
-    wrong = []
-    for script in SCRIPTS:
-        args = default_args(script)
-        own = {option for option, _ in stated[script]}
-        shared = [(o, v) for o, v in stated["common"] if o not in own]
-        wrong += mismatches(stated[script] + shared, args, script)
+    own = {option for option, _ in stated[script]}
+    shared = [(o, v) for o, v in stated["common"] if o not in own]
+    wrong = mismatches(stated[script] + shared, default_args(script), script)
     assert not wrong, "\n".join(wrong)
 
 
 @pytest.mark.rule("settings-table")
-def test_every_default_a_script_sets_is_in_its_settings_table():
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_default_a_script_sets_is_in_its_settings_table(script):
     """A default the script sets (one the shared parser lacks or sets otherwise) has its row, so
     no setting can be added or changed without the README."""
     shared = argparse.ArgumentParser()
     common.add_common_args(shared)
     base = vars(shared.parse_args([]))
-    stated = settings_tables()
-    for script in SCRIPTS:
-        own = {option[2:].replace("-", "_") for option, _ in stated[script]}
-        for dest, value in vars(default_args(script)).items():
-            if dest == "out" or value is None or value is False:
-                continue  # the run folder's name; options off unless given
-            if dest not in base or base[dest] != value:
-                assert dest in own, f"{script}.py sets --{dest.replace('_', '-')} {value!r}"
+    own = {option[2:].replace("-", "_") for option, _ in settings_tables()[script]}
+    for dest, value in vars(default_args(script)).items():
+        if dest == "out" or value is None or value is False:
+            continue  # the run folder's name; options off unless given
+        if dest not in base or base[dest] != value:
+            assert dest in own, f"{script}.py sets --{dest.replace('_', '-')} {value!r}"
 
 
 def test_linear_protocol_table_is_the_codes():

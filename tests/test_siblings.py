@@ -62,17 +62,17 @@ def test_momentum_encoder_and_ema_update_are_the_same_code_in_both_files():
 
 
 @pytest.mark.rule("recipes-and-step")
-def test_every_method_file_has_recipes_and_the_same_first_train_step_arguments():
+@pytest.mark.parametrize("module", METHOD_FILES, ids=METHODS)
+def test_every_method_file_has_recipes_and_the_same_first_train_step_arguments(module):
     """recipes(args) -> one common.Recipe per view (no file keeps a `recipe`); train_step(net,
     optimizer, views, args, ctx, ...): the file's own state (queues, support set, target) after."""
-    for module in METHOD_FILES:
-        args = module.parse_args(["--stopgrad", "symmetric"] if module is gsg else [])
-        args.image_size = 32
-        views = module.recipes(args)
-        assert len(views) == 2 and all(isinstance(r, common.Recipe) for r in views), module
-        assert not hasattr(module, "recipe"), module
-        first = list(inspect.signature(module.train_step).parameters)[:5]
-        assert first == ["net", "optimizer", "views", "args", "ctx"], module
+    args = module.parse_args(["--stopgrad", "symmetric"] if module is gsg else [])
+    args.image_size = 32
+    views = module.recipes(args)
+    assert len(views) == 2 and all(isinstance(r, common.Recipe) for r in views), module
+    assert not hasattr(module, "recipe"), module
+    first = list(inspect.signature(module.train_step).parameters)[:5]
+    assert first == ["net", "optimizer", "views", "args", "ctx"], module
 
 
 def blocks(module):
@@ -90,22 +90,19 @@ def blocks(module):
 
 
 @pytest.mark.rule("shared-and-own")
-def test_every_main_marks_its_shared_and_own_lines():
+@pytest.mark.parametrize("module", METHOD_FILES, ids=METHODS)
+def test_every_main_marks_its_shared_and_own_lines(module):
     """Each main() is marked in blocks from its second line on:
     `# shared: ...` the lines every method file repeats, word for
     word, in the same order; `# own: ...` the method's own lines.
     A reader adding a method copies the shared blocks and writes
     the own ones."""
-    shared = {}
-    for module in METHOD_FILES:
-        source, starts, pieces = blocks(module)
-        body = source.splitlines()[1:]
-        first = next(line for line in body if line.strip())
-        assert MARKER.match(first), (module.__name__, first)
-        texts = [text for kind, text in pieces if kind == "shared"]
-        shared[module.__name__] = texts
-        assert any(kind == "own" for kind, _ in pieces), module
-    reference = shared[METHODS[0]]
+    source, starts, pieces = blocks(module)
+    body = source.splitlines()[1:]
+    first = next(line for line in body if line.strip())
+    assert MARKER.match(first), (module.__name__, first)
+    assert any(kind == "own" for kind, _ in pieces), module
+    texts = [text for kind, text in pieces if kind == "shared"]
+    reference = [text for kind, text in blocks(METHOD_FILES[0])[2] if kind == "shared"]
     assert len(reference) >= 3
-    for name, texts in shared.items():
-        assert texts == reference, name
+    assert texts == reference, module.__name__

@@ -41,8 +41,10 @@ def test_eq1_symmetric_loss_is_half_sum_of_two_terms_with_targets_stopped():
     """L = 1/2 D(p1, sg z2) + 1/2 D(p2, sg z1); the target z gets no gradient through the loss."""
     p1, p2, z1, z2 = eight(grad=True)[:4]
     loss = gsg.symmetric_loss(p1, p2, z1, z2)
-    torch.testing.assert_close(loss, (0.5 * D(p1, z2) + 0.5 * D(p2, z1)).mean(), rtol=0, atol=1e-12)
+    identity("GSG Eq. 1", "symmetric_loss", loss, "1/2 D(p1, z2) + 1/2 D(p2, z1)",
+             (0.5 * D(p1, z2) + 0.5 * D(p2, z1)).mean(), rtol=0)
     loss.backward()
+    print(f"GSG Eq. 1, sg(z): z1.grad {z1.grad}, z2.grad {z2.grad}")
     assert z1.grad is None and z2.grad is None
     assert p1.grad.abs().sum() > 0 and p2.grad.abs().sum() > 0
 
@@ -73,14 +75,19 @@ def test_eq7_reverse_stopgrad_takes_the_two_terms_guided_leaves_out():
     """reverse case = 3 - guided case, and
     guided + reverse = 1/2 (D(p11,z12) + D(p12,z11) + D(p21,z22) + D(p22,z21))."""
     args = eight(b=50, seed=2)
+    cases, sums = [], []
     for i in range(50):
         row = [t[i:i + 1] for t in args]
         guided, c_guided = gsg.guided_stopgrad_loss(*row, mode="guided")
         reverse, c_reverse = gsg.guided_stopgrad_loss(*row, mode="reverse")
         assert c_reverse.item() == 3 - c_guided.item()
-        p11, p12, p21, p22, z11, z12, z21, z22 = row
-        all_four = 0.5 * (D(p11, z12) + D(p12, z11) + D(p21, z22) + D(p22, z21))
-        torch.testing.assert_close(guided + reverse, all_four[0], rtol=0, atol=1e-12)
+        cases.append((c_guided.item(), c_reverse.item()))
+        sums.append(guided + reverse)
+    p11, p12, p21, p22, z11, z12, z21, z22 = args
+    all_four = 0.5 * (D(p11, z12) + D(p12, z11) + D(p21, z22) + D(p22, z21))
+    print(f"GSG Eq. 7: (guided, reverse) cases of pairs 0-3: {cases[:4]}")
+    identity("GSG Eq. 7, 50 pairs", "guided + reverse", torch.stack(sums),
+             "1/2 (the four D terms)", all_four, rtol=0)
 
 
 def test_random_stopgrad_hits_each_case_a_quarter_of_the_time_and_is_seeded():

@@ -27,58 +27,58 @@ def tables(tmp_path_factory):
     return [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ")]
 
 
-def method_rows(tables):
-    """The speed table's rows, the ops table's and the 2-process table's: one per method file
-    of the README's quick start, each."""
+def method_rows(tables, method):
+    """The method file's row of the speed table, of the ops table and of the 2-process table:
+    each has one row per method file of the README's quick start."""
     rows = [r for r in tables if r[0][2:] in QUICK_START]
     assert [r[0][2:] for r in rows] == METHODS * 3
-    n = len(METHODS)
-    return rows[:n], rows[n:2 * n], rows[2 * n:]
+    return rows[METHODS.index(method)::len(METHODS)]
 
 
 @pytest.mark.rule("speed")
-def test_the_tables_have_a_row_per_method_file_and_the_two_baselines(tables):
+@pytest.mark.parametrize("method", METHODS)
+def test_the_tables_have_a_row_per_method_file_and_the_two_baselines(tables, method):
     """main() at the tiny preset writes one row per method file (positive rates, no GPU busy
     fraction, sync count or memory on a CPU), one row of ops and host ms per method file, and the
     augmentation and optimiser rows."""
-    speeds, ops, _ = method_rows(tables)
-    for cells in speeds:
-        assert float(cells[3].replace(",", "")) > 0 and float(cells[5]) > 0
-        assert cells[6] == "n/a" and cells[9:] == ["n/a", "n/a |"]
-    for cells in ops:  # "augmentation (a view)", rest, bare, ratio, then three ms
-        assert int(cells[3].replace(",", "")) > 0 and int(cells[4].replace(",", "")) > 0
-        assert all(float(ms.strip(" |")) > 0 for ms in cells[6:])
+    rates, ops, _ = method_rows(tables, method)
+    assert float(rates[3].replace(",", "")) > 0 and float(rates[5]) > 0
+    assert rates[6] == "n/a" and rates[9:] == ["n/a", "n/a |"]
+    # The ops row: "augmentation (a view)", rest, bare, ratio, then three ms.
+    assert int(ops[3].replace(",", "")) > 0 and int(ops[4].replace(",", "")) > 0
+    assert all(float(ms.strip(" |")) > 0 for ms in ops[6:])
     assert [r[0][2:] for r in tables[-2:]] == ["augmentation, SimCLR's recipe, 8 px, 64 images",
                                                "optimiser step, ResNet-18 w4"]
 
 
 @pytest.mark.rule("speed")
-def test_every_augmentation_dispatches_at_most_150_ops_a_view_and_a_step_at_most_1_7_bare(tables):
+@pytest.mark.parametrize("method", METHODS)
+def test_every_augmentation_dispatches_at_most_150_ops_a_view_and_a_step_at_most_1_7_bare(
+        tables, method):
     """Issue 39's bounds, as speed.py counts them: every method's common.Augment (its file's
     recipes) dispatches at most 150 aten ops a view, and its augmentation plus its train_step
     at most 1.7 times its bare network step's ops (SimCLR's 2.35 before the views were batched
     and drawn at once)."""
-    _, ops, _ = method_rows(tables)
-    for cells in ops:
-        augment = int(cells[2].split()[0].replace(",", ""))  # "ops (a view)"
-        assert augment <= 150 * int(cells[1]), cells
-        assert float(cells[5]) <= 1.7, cells
+    _, cells, _ = method_rows(tables, method)
+    augment = int(cells[2].split()[0].replace(",", ""))  # "ops (a view)"
+    assert augment <= 150 * int(cells[1]), cells
+    assert float(cells[5]) <= 1.7, cells
 
 
 @pytest.mark.rule("speed")
-def test_a_step_at_two_processes_costs_at_most_3_2_times_its_ops_at_one(tables):
+@pytest.mark.parametrize("method", METHODS)
+def test_a_step_at_two_processes_costs_at_most_3_2_times_its_ops_at_one(tables, method):
     """Issue 45: speed.py shows train_step's ops at 2 gloo processes beside 1 (the global
     BatchNorm, the gathers, DDP), so the GPU check sees their cost. Each method's 1-process count
     is the ops table's (rest + bare), and its 2-process count at most 3.2 times it: measured 2.16
     (SimCLR) to 2.82 (NNCLR); before the global BatchNorm's autograd Function 3.72 to 5.51. The
     table counts the collectives among them too (measured: 46 for SimCLR to 192 for GSG's four
     crops)."""
-    _, ops, two = method_rows(tables)
-    for cells, (name, one, both, ratio, collectives) in zip(ops, two):
-        one = int(one.replace(",", ""))
-        assert one == int(cells[3].replace(",", "")) + int(cells[4].replace(",", ""))
-        assert one < int(both.replace(",", "")) <= 3.2 * one, (name, one, both)
-        assert 0 < int(collectives.strip(" |")) < one, (name, collectives)
+    _, cells, (name, one, both, ratio, collectives) = method_rows(tables, method)
+    one = int(one.replace(",", ""))
+    assert one == int(cells[3].replace(",", "")) + int(cells[4].replace(",", ""))
+    assert one < int(both.replace(",", "")) <= 3.2 * one, (name, one, both)
+    assert 0 < int(collectives.strip(" |")) < one, (name, collectives)
 
 
 @pytest.mark.parametrize("module, argv, expected", [
