@@ -9,11 +9,9 @@ Part 1, what the methods build on (read it beside a method file):
   evaluation: kNN, the fixed linear probe, evaluate
   optimisers: learning_rate, LARS
 Part 2, the run, which changes nothing a method computes:
-  errors and options: UserError, run, add_common_args, parse_args
-  this process and its run: setup; open_run (rank 0 decides what
-    --out holds, every rank follows)
-  the run folder: EpochMeter, Run (continue, each epoch's end, the
-    run's end), write_atomic
+  errors and options: UserError, run, add_common_args, parse_args,
+    setup, open_run
+  the run folder: EpochMeter, Run, write_atomic
 """
 import argparse
 import contextlib
@@ -47,10 +45,10 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 from tqdm import tqdm
 
 
-# =============================================================================
+# =================================
 # Part 1: what the methods build on
-# =============================================================================
-# ------------------------------------------------------ processes and gathers
+# =================================
+# ---- processes and gathers
 @dataclass
 class Context:
     rank: int
@@ -121,8 +119,7 @@ def all_reduce_sum(x):
 class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
     """BatchNorm over all ranks' rows in training, one collective
     each way and no host sync (torch's SyncBatchNorm waits on the
-    host once a layer). On CUDA torch's fused kernels; the CPU has
-    none, and autograd goes through gather_with_grad instead."""
+    host once a layer), in torch's fused kernels on CUDA."""
 
     def _check_input_dim(self, x):  # (B, C) and (B, C, H, W) alike
         pass
@@ -245,7 +242,7 @@ def float32(t):
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
-# --------------------------------------------------------------------- ResNet
+# ---- ResNet
 class ResNet(nn.Module):
     """torchvision's ResNet-18/34/50 (its names) at any `width`, no
     fc: (B, 3, S, S) -> (B, out_dim). Up to 64 px the CIFAR stem, no
@@ -294,7 +291,7 @@ class ResNet(nn.Module):
         return torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)  # (B, C)
 
 
-# --------------------------------------------------------------- augmentation
+# ---- augmentation
 @dataclass(frozen=True)
 class Recipe:  # one view's augmentation
     crop_scale: tuple = (0.08, 1.0)
@@ -332,11 +329,11 @@ class Augment:
         self.size = size
         self.ctx = ctx
         device = ctx.device
-        self.mean = torch.tensor(mean, device=device).view(3, 1, 1)
-        self.std = torch.tensor(std, device=device).view(3, 1, 1)
+        self.mean = torch.tensor(mean, device=device)
+        self.std = torch.tensor(std, device=device)
         p = [[getattr(r, c) for c in COINS] for r in recipes]
         self.p = torch.tensor(p, device=device).unsqueeze(1)  # (V, 1, 5)
-        self.probs = [[getattr(r, c) for r in recipes] for c in COINS]
+        self.probs = list(zip(*p))  # each coin's, per view
 
     def __call__(self, x, generator):
         """uint8 (b, 3, H, W), or (b, V, 3, S, S) cropped -> V views."""
@@ -506,7 +503,7 @@ def normalize(x, mean, std):
     return x.contiguous(memory_format=torch.channels_last) if x.is_cuda else x
 
 
-# ----------------------------------------------------------------------- data
+# ---- data
 STATS = {  # (mean, std) per channel
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
@@ -756,7 +753,7 @@ def train_batches(data, batch_size, generator, ctx, workers=0):
             for views, labels in loader)
 
 
-# ----------------------------------------------------------------- evaluation
+# ---- evaluation
 @torch.no_grad()
 def extract_features(backbone, split, data, ctx, workers=0, unit=True):
     """Un-augmented images' features, the ranks sharing the work ->
@@ -802,14 +799,14 @@ def knn_accuracy(train_f, train_y, test_f, test_y, num_classes, k=200, t=0.1):
     """Weighted kNN (InstDisc, MoCo): the k nearest vote exp(cos / t)."""
     k = min(k, int((train_y >= 0).sum()))
     unlabelled = train_y < 0
-    correct = 0
-    for f, y in zip(test_f.split(256), test_y.split(256)):
+
+    def vote(f):  # (b, F) -> (b, classes)
         sim = (f @ train_f.T).float().masked_fill_(unlabelled, -math.inf)
         sim, idx = sim.topk(k, dim=1)  # (b, k)
-        votes = torch.zeros(len(y), num_classes, device=f.device)
-        votes.scatter_add_(1, train_y[idx], torch.exp(sim / t))
-        correct += int((votes.argmax(1) == y).sum())
-    return 100.0 * correct / int((test_y >= 0).sum())
+        votes = torch.zeros(len(f), num_classes, device=f.device)
+        return votes.scatter_add_(1, train_y[idx], torch.exp(sim / t))
+
+    return top1(vote, test_f, test_y, rows=256)
 
 
 def linear_classifier(dim, classes, device, seed, std=None):
@@ -825,10 +822,10 @@ def linear_classifier(dim, classes, device, seed, std=None):
 
 
 @torch.no_grad()
-def top1(classify, features, labels):
-    """Top-1 % over the labelled rows, 65536 at a time."""
+def top1(classify, features, labels, rows=65536):
+    """Top-1 % over the labelled rows, `rows` at a time."""
     correct = 0
-    for f, y in zip(features.split(65536), labels.split(65536)):
+    for f, y in zip(features.split(rows), labels.split(rows)):
         correct += int((classify(f).argmax(1) == y).sum())
     return 100.0 * correct / int((labels >= 0).sum())
 
@@ -875,7 +872,6 @@ def linear_probe(train_f, train_y, test_f, test_y, num_classes, epochs,
     return top1(lambda f: classifier(standardised(f)), test_f, test_y)
 
 
-@torch.no_grad()
 def split_features(backbone, data, ctx, workers=0):
     """-> (train_f, train_y, test_f, test_y): the kNN bank and the
     test split's float32 features."""
@@ -905,7 +901,7 @@ def evaluate(features, data, args, final=False):
     return result
 
 
-# ----------------------------------------------------------------- optimisers
+# ---- optimisers
 def learning_rate(step, total_steps, warmup_steps, peak, schedule="cosine"):
     """Linear warm-up to `peak`, then cosine decay to 0 (or constant)."""
     if step < warmup_steps:
@@ -971,31 +967,25 @@ def optimizer_groups(groups):
     return [group for group in split if group["params"]]
 
 
-def pretraining_optimizer(groups, args, ctx, lr):
+def pretraining_optimizer(groups, args, lr):
     if args.optimizer == "lars":
         return LARS(optimizer_groups(groups), lr, 0.9, args.wd,
                     args.lars_eta, args.lars_clip)
     return torch.optim.SGD(groups, lr=lr, momentum=0.9, weight_decay=args.wd)
 
 
-# =============================================================================
+# ========================================================
 # Part 2: the run, which changes nothing a method computes
-# =============================================================================
-# --------------------------------------------------------- errors and options
+# ========================================================
+# ---- errors and options
 class UserError(Exception):
-    """A problem the user can fix: one line, exit status 2.
-    `every_rank`: every rank raises it alike; rank 0's line is all."""
-
-    def __init__(self, message, every_rank=False):
-        super().__init__(message)
-        self.every_rank = every_rank
+    """A problem the user can fix: one line, exit status 2."""
 
 
 def run(main):
-    """main() as a command: a UserError is one line and exit status
-    2; any other exception is a bug, with its traceback. Signals
-    are Python's: Ctrl-C is a KeyboardInterrupt, and a killed run
-    is continued by its command (README.md, "The run folder")."""
+    """main() as a command: any exception but a UserError is a bug
+    and keeps its traceback. No signal handler: a killed run is
+    continued by its command (README.md, "The run folder")."""
     rank = int(os.environ.get("RANK", 0))
     try:
         main()
@@ -1004,8 +994,6 @@ def run(main):
         message = str(error).strip().split("\n")[-1]
         message = message.split("UserError: ")[-1]
         if rank != 0:
-            if error.every_rank:
-                sys.exit(2)
             # Rank 0 speaks for all, torchrun ends the rest in this
             # wait; a rank that failed alone speaks after it.
             time.sleep(10)
@@ -1173,11 +1161,11 @@ def setup(args):
     if args.out is None:
         name = f"{args.script}-{time.strftime('%Y%m%d-%H%M%S')}"
         out = [os.path.join("runs", f"{name}-{os.getpid()}")]
-        if world > 1:  # rank 0's, for every rank
+        if world > 1:
             dist.broadcast_object_list(out, src=0)
         args.out = out[0]
-    amp = cuda and args.amp  # unset: where the GPU has native bf16
-    if cuda and args.amp is None:
+    amp = cuda and args.amp
+    if amp is None:  # unset: where the GPU has native bf16
         amp = torch.cuda.is_bf16_supported(including_emulation=False)
     return Context(rank, world, local_rank, device, args.out, amp)
 
@@ -1195,7 +1183,7 @@ def open_run(args, ctx):
         dist.broadcast_object_list(verdict, src=0)
     action, refusal = verdict
     if refusal:
-        raise UserError(refusal, every_rank=True)
+        raise UserError(refusal)
     if action == "finished":
         if ctx.rank == 0:
             print(f"{args.out} is finished (results.json)", file=sys.stderr)
@@ -1233,7 +1221,7 @@ def look_in(args):
     return "new"
 
 
-# -------------------------------------------------------------- the run folder
+# ---- the run folder
 class EpochMeter:
     """An epoch's progress bar (images/s, lr, loss) and the means of
     its scalars, summed on the device and read at its end."""
@@ -1333,23 +1321,22 @@ class Run:
         ctx.print(f"run {args.out}  data {args.dataset}  train {len(data)}"
                   f"  classes {data.num_classes}  image {data.image_size}"
                   f" px  device {ctx.device}  processes {ctx.world}")
-        if open_run(args, ctx):  # rank 0 decides what --out holds
+        if open_run(args, ctx):
             self.load()
 
     def load(self):
         try:
-            saved = torch.load(self.path, map_location="cpu",
-                               weights_only=True)
-            if not isinstance(saved, dict):
-                raise TypeError("not a dict")
+            # dict(): a tensor indexed by name would warn
+            saved = dict(torch.load(self.path, map_location="cpu",
+                                    weights_only=True))
             for name, state in self.states.items():
                 state.load_state_dict(saved[name])
+            self.epoch = saved["epoch"]
+            self.metrics = saved["metrics"]
         except Exception as error:  # truncated, not ours, changed code
             raise UserError(
                 f"{self.path} does not fit this run or is unreadable "
                 f"({type(error).__name__}); start a new --out") from None
-        self.epoch = saved["epoch"]
-        self.metrics = saved["metrics"]
         self.ctx.print(f"continuing {self.args.out} from epoch "
                        f"{self.epoch + 1}")
 
@@ -1415,7 +1402,7 @@ class Run:
             kept = "no checkpoint was written"
         raise UserError(f"{what} in epoch {record['epoch']}; {kept}. Lower "
                         f"--lr, check --wd and the temperatures, or try "
-                        f"--no-amp, in a new --out", every_rank=True)
+                        f"--no-amp, in a new --out")
 
     def finish(self):
         """The final evaluation, on the last epoch's features where

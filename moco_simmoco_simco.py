@@ -445,7 +445,7 @@ def main(argv=None):
     # own: the optimiser, the probes, the augmentation
     peak_lr = args.lr * args.batch_size / 256
     optimizer = common.pretraining_optimizer(
-        model.parameters(), args, ctx, peak_lr)
+        model.parameters(), args, peak_lr)
     probes = None  # DT's online evaluation (--online-probe)
     if args.online_probe:
         probes = OnlineProbes(data, ctx, args, model, key_encoder)

@@ -237,7 +237,7 @@ def main(argv=None):
     net = common.distribute(model, ctx)  # `model` stays bare
     peak_lr = args.lr * args.batch_size / 256
     optimizer = common.pretraining_optimizer(
-        model.parameters(), args, ctx, peak_lr)
+        model.parameters(), args, peak_lr)
     augment = common.Augment(recipes(args), data.image_size,
                              data.mean, data.std, ctx)
     if args.compile:  # the loss stays as written

@@ -345,7 +345,7 @@ def main(argv=None):
     # own: the optimiser, the augmentation
     peak_lr = args.lr * args.batch_size / 256
     optimizer = common.pretraining_optimizer(
-        parameter_groups(model, args), args, ctx, peak_lr)
+        parameter_groups(model, args), args, peak_lr)
     augment = common.Augment(recipes(args), data.image_size,
                              data.mean, data.std, ctx)
     if args.compile:  # the loss stays as written

@@ -83,7 +83,7 @@ def _lars_and_online_probe_steps(ctx, rows):
     model = small_network()
     net = common.distribute(model, ctx)
     args = SimpleNamespace(optimizer="lars", wd=1e-3, lars_eta=0.02, lars_clip=True)
-    optimizer = common.pretraining_optimizer(model.parameters(), args, ctx, 0.5)
+    optimizer = common.pretraining_optimizer(model.parameters(), args, 0.5)
     probes = online_probes(model.backbone, ctx)
     features = []  # the backbone's output, as moco_simmoco_simco.train_step returns it
     model.backbone.register_forward_hook(lambda m, i, out: features.append(out.detach()))

@@ -67,17 +67,18 @@ def test_every_augmentation_dispatches_at_most_150_ops_a_view_and_a_step_at_most
 
 @pytest.mark.rule("speed")
 @pytest.mark.parametrize("method", METHODS)
-def test_a_step_at_two_processes_costs_at_most_3_2_times_its_ops_at_one(tables, method):
+def test_a_step_at_two_processes_costs_at_most_5_5_times_its_ops_at_one(tables, method):
     """Issue 45: speed.py shows train_step's ops at 2 gloo processes beside 1 (the global
     BatchNorm, the gathers, DDP), so the GPU check sees their cost. Each method's 1-process count
-    is the ops table's (rest + bare), and its 2-process count at most 3.2 times it: measured 2.16
-    (SimCLR) to 2.82 (NNCLR); before the global BatchNorm's autograd Function 3.72 to 5.51. The
-    table counts the collectives among them too (measured: 46 for SimCLR to 192 for GSG's four
-    crops)."""
+    is the ops table's (rest + bare), and its 2-process count at most 5.5 times it: measured 3.62
+    (SimCLR) to 4.97 (GSG's four crops) with the CPU's global BatchNorm by autograd through plain
+    arithmetic (2.16 to 2.82 with its hand-written backward, before issue 64; CUDA runs fused
+    kernels). The table counts the collectives among them too (measured: 46 for SimCLR to 192
+    for GSG)."""
     _, cells, (name, one, both, ratio, collectives) = method_rows(tables, method)
     one = int(one.replace(",", ""))
     assert one == int(cells[3].replace(",", "")) + int(cells[4].replace(",", ""))
-    assert one < int(both.replace(",", "")) <= 3.2 * one, (name, one, both)
+    assert one < int(both.replace(",", "")) <= 5.5 * one, (name, one, both)
     assert 0 < int(collectives.strip(" |")) < one, (name, collectives)
 
 
