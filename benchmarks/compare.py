@@ -1,10 +1,10 @@
 r"""Run this project's method variants, or one paper's own comparison, and print one table.
 
-Each run is a method script through its real command line, in its own folder under --out; the
-options not in --help go to every run. Plain: a row per variant, each script's variants after its
-untrained row (--epochs 0). --paper NAME: that paper's rows, settings and protocol (papers.py);
-ours over --seeds runs beside each published number and its source, and the difference; where an
-option changes the paper's settings, each line says "not comparable" instead of a difference.
+Each run is a method script's real command line, given every option not in --help, in its own
+folder under --out; a paper's linear evaluation then runs on it (linear_eval.py). Plain: a row per
+variant, after its script's untrained row (--epochs 0). --paper NAME: that paper's rows, settings
+and protocol (papers.py), ours over --seeds runs beside each published number, its source and the
+difference ("not comparable" where an option changes the paper's settings).
 
     python benchmarks/compare.py --dataset textures --epochs 2 --width 8 --device cpu \
         --jobs 2                                                    # CPU: 2 runs side by side
@@ -13,8 +13,8 @@ option changes the paper's settings, each line says "not comparable" instead of 
     python benchmarks/compare.py --paper dt --dataset imagefolder --data-dir D --image-size 8 \
         --width 8 --epochs 1 --batch-divisor 16 --device cpu         # a CPU smoke run
 
-Writes OUT/table.md and OUT/rows.json. A second call reuses each finished run (its folder holds
-results.json) and resumes an interrupted one. Exit status 1: a run failed.
+Writes OUT/table.md and OUT/rows.json. A second call reuses what a run's folder holds
+(results.json, linear_NAME.json) and continues an interrupted run. Exit status 1: a run failed.
 """
 import argparse
 import concurrent.futures
@@ -101,9 +101,10 @@ def runs(args):
     paper's settings first (the options given here change them) and the seed last."""
     def chosen(name):
         return any(fnmatch.fnmatch(name, glob) for glob in args.variants)
+    given = values(args.given)
     if args.paper:  # (name, row, seed, script, options first, options last)
         paper, protocol = papers.PAPERS[args.paper], papers.PROTOCOLS[args.paper]
-        first_seed = int(values(args.given).get("--seed", 0))
+        first_seed = int(given.get("--seed", 0))
         plan = [(f"{name}/seed{seed}", name, seed, row.script, paper.settings + row.options
                  + ["--batch-size", batch(row, args)] + protocol.options, ["--seed", str(seed)])
                 for name, row in paper.rows.items() if chosen(name)
@@ -114,13 +115,25 @@ def runs(args):
                 if chosen(name) or name.startswith("untrained-") and script in scripts]
     launcher = [sys.executable] + ["-m", "torch.distributed.run", "--standalone",
                                    f"--nproc_per_node={args.nproc}"] * (args.nproc > 1)
+    linear = args.paper and papers.PROTOCOLS[args.paper].linear
+    # linear_eval.py gets the options that change nothing, and --linear-epochs as its --epochs
+    evaluation = [t for flag in ("--data-dir", "--workers", "--device") if flag in given
+                  for t in (flag, given[flag])]
+    if given.get("--linear-epochs", "0") != "0":
+        evaluation += ["--epochs", given["--linear-epochs"]]
     todo = []
     for name, row, seed, script, first, last in plan:
         more = [token for glob, text in args.per_variant if fnmatch.fnmatch(row, glob)
                 for token in shlex.split(text)]
         folder = os.path.join(args.out, name)
         command = [os.path.join(ROOT, script), "--out", folder, *first, *args.given, *more, *last]
-        todo.append(dict(name=name, row=row, seed=seed, folder=folder, command=launcher + command))
+        commands = {"results.json": launcher + command}  # by the file each writes
+        if linear:
+            commands[f"linear_{linear}.json"] = launcher + [
+                os.path.join(ROOT, "benchmarks", "linear_eval.py"), folder, "--protocol", linear,
+                *evaluation]
+        todo.append(dict(name=name, row=row, seed=seed, folder=folder, commands=commands,
+                         linear=linear))
     return todo
 
 
@@ -130,12 +143,13 @@ def batch(row, args):
 
 
 def run(job, args, slots):
-    """Run a job, unless its folder holds results.json (reused), on a free slot (its GPUs)."""
+    """Run a job's commands on a free slot (its GPUs), each unless its folder holds the file it
+    writes (reused)."""
     folder = job["folder"]
-    if os.path.isfile(os.path.join(folder, "results.json")):
+    commands = [cmd for file, cmd in job["commands"].items()
+                if not os.path.isfile(os.path.join(folder, file))]
+    if not commands:
         return
-    resuming = os.path.isfile(os.path.join(folder, "checkpoint.pt"))
-    cmd = job["command"]  # in its folder, the same command continues the run
     os.makedirs(folder, exist_ok=True)
     env, slot = dict(os.environ), slots.get()
     # the cores shared out between the runs side by side, else each run's torch takes them all
@@ -143,21 +157,27 @@ def run(job, args, slots):
     if slot is not None:
         env["CUDA_VISIBLE_DEVICES"] = slot
     where = "" if slot is None else f" on GPU {slot}"
-    print(f"{job['name']}: {'resuming' if resuming else 'starting'}{where}: {shlex.join(cmd)}")
     try:
         with open(os.path.join(folder, "log.txt"), "a") as log:
-            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).wait()
+            for cmd in commands:
+                print(f"{job['name']}{where}: {shlex.join(cmd)}")
+                if subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).wait():
+                    break  # a failed run has nothing to evaluate
     finally:  # the slot back even if the run could not start: the other threads wait for it
         slots.put(slot)
-    print(f"{job['name']}: {numbers(folder)['error'] or 'done'}", flush=True)
+    print(f"{job['name']}: {numbers(job)['error'] or 'done'}", flush=True)
 
 
-def numbers(folder):
-    """A run's numbers: results.json's, its last epoch's and the best kNN of any epoch (as lightly
-    reports); or if it failed, its `error:` line, else its log's last (a traceback's end)."""
+def numbers(job):
+    """A job's numbers: results.json's, its last epoch's, the best kNN of any epoch (as lightly
+    reports), linear_eval.py's; if it failed, its `error:` line, else its log's last line."""
+    folder = job["folder"]
     try:
         with open(os.path.join(folder, "results.json")) as f:
             results = json.load(f)
+        if job["linear"]:
+            with open(os.path.join(folder, f"linear_{job['linear']}.json")) as f:
+                results["linear_top1"] = json.load(f)["linear_top1"]
     except (OSError, ValueError):  # not written (a failed run), or half written
         with open(os.path.join(folder, "log.txt"), errors="replace") as f:  # \r: progress bars
             lines = [line.strip() for line in f.read().replace("\r", "\n").splitlines()
@@ -183,7 +203,7 @@ def markdown(header, rows):
 
 def variants_table(todo):
     """rows.json's rows and the table: a row per variant."""
-    rows = [dict(numbers(job["folder"]), variant=job["name"]) for job in todo]
+    rows = [dict(numbers(job), variant=job["name"]) for job in todo]
     columns = {"knn_top1": "{:.1f}", "knn_k1_top1": "{:.1f}", "linear_top1": "{:.1f}",
                "loss": "{:.4f}", "proj_std": "{:.4f}", "images_per_s": "{:,.0f}", "error": "{}"}
     cells = [[row["variant"]] + [cell(row.get(key), form) for key, form in columns.items()]
@@ -224,7 +244,7 @@ def paper_table(args, todo):
     comparable = not found and protocol.authors
     lines, cells = [], []
     for name, row in paper.rows.items():
-        runs = [dict(numbers(j["folder"]), seed=j["seed"]) for j in todo if j["row"] == name]
+        runs = [dict(numbers(j), seed=j["seed"]) for j in todo if j["row"] == name]
         settings = " ".join(row.options)
         settings += f" (run at {batch(row, args)})" if args.batch_divisor > 1 else ""
         for metric in row.metrics or protocol.metrics:
@@ -265,7 +285,7 @@ def main(argv=None):
     with open(os.path.join(args.out, "rows.json"), "w") as f:
         json.dump(saved, f, indent=2)
     print(f"{text}\nwritten: {os.path.join(args.out, 'table.md')} and rows.json")
-    return 1 if any(numbers(job["folder"])["error"] for job in todo) else 0  # a run failed
+    return 1 if any(numbers(job)["error"] for job in todo) else 0  # a run failed
 
 
 if __name__ == "__main__":

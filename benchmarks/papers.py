@@ -26,8 +26,9 @@ SOURCES = {
 # How a paper's numbers were measured: the options that select it on every row's command line,
 # the metrics its table shows (results.json's keys; knn_top1_best: the best kNN of any epoch, as
 # lightly reports), `authors` (False: a stand-in for a protocol this project lacks, never
-# comparable) and the protocol in words.
-Protocol = namedtuple("Protocol", "options metrics authors text")
+# comparable), the protocol in words, and `linear`: linear_eval.py's --protocol for each finished
+# run (None: none).
+Protocol = namedtuple("Protocol", "options metrics authors text linear", defaults=[None])
 PROTOCOLS = {
     # the DT paper's "Evaluation" paragraph: top-1 of the online linear evaluation, which their
     # solo-learn fork trains on the encoder and on the momentum encoder (moco_simmoco_simco.py's
@@ -36,13 +37,12 @@ PROTOCOLS = {
                    "the DT authors' online linear probes (their solo-learn fork's), on the encoder "
                    "and on the momentum encoder (MoCo v2, SimMoCo), test top-1 after the last "
                    "epoch; their README does not say which its numbers are, so both face them"),
-    # --linear-protocol gsg-cifar is GSG's CIFAR probe (GSG Sec. 5.1, 'Linear evaluation': SGD
-    # m 0.9, lr 30, batch 256, cosine, 90 epochs), its crop+flip views this project's assumption
-    # (no source gives them); kNN k=1 (Sec. 5.1, 'k-nearest neighbors': a majority vote, which
-    # our weighted vote equals at k=1)
-    "gsg": Protocol(["--linear-protocol", "gsg-cifar"], ["knn_k1_top1", "linear_top1"], True,
+    # kNN k=1 (GSG Sec. 5.1, 'k-nearest neighbors': a majority vote, which our weighted vote
+    # equals at k=1)
+    "gsg": Protocol(["--linear-epochs", "0"], ["knn_k1_top1", "linear_top1"], True,
                     "kNN k=1 and GSG's CIFAR linear probe (SGD lr 30, 90 epochs, cosine: GSG Sec. "
-                    "5.1; its crop+flip views are this project's assumption, not the paper's)"),
+                    "5.1; its crop+flip views are this project's assumption, not the paper's)",
+                    "gsg-cifar"),
     # lightly's kNN: k=200, T=0.1 (cifar10_benchmark.py lines 105-106), our monitor's defaults,
     # every epoch on the test set; no linear probe
     "dcl": Protocol(["--eval-every", "1", "--linear-epochs", "0"],
@@ -51,9 +51,10 @@ PROTOCOLS = {
                     "test set, ours is given both ways (last epoch, and best epoch as lightly)"),
     # our copy of the DCL paper does not give its linear protocol: SimSiam's ImageNet probe runs
     # in its place, so the published numbers stay "not comparable"
-    "dcl-imagenet": Protocol(["--linear-protocol", "simsiam-imagenet"], ["linear_top1"], False,
+    "dcl-imagenet": Protocol(["--linear-epochs", "0"], ["linear_top1"], False,
                              "SimSiam's ImageNet linear probe (LARS, lr 0.1 per 256, batch 4096, "
-                             "90 epochs): the DCL paper's own protocol is not in our copy"),
+                             "90 epochs): the DCL paper's own protocol is not in our copy",
+                             "simsiam-imagenet"),
 }
 
 # A published number: its value, its source (a SOURCES key), the source's standard deviation if

@@ -1,6 +1,7 @@
 """benchmarks/compare.py --paper: each paper's comparison table beside the published numbers (every
-one present, with its source; "not comparable" at reduced scale; seeds' mean and spread), and the
-placement of jobs on GPUs (--gpus, --jobs-per-gpu) through each job's CUDA_VISIBLE_DEVICES."""
+one present, with its source; "not comparable" at reduced scale; seeds' mean and spread; a
+linear_eval.py after each run), and the placement of jobs on GPUs (--gpus, --jobs-per-gpu)
+through each job's CUDA_VISIBLE_DEVICES."""
 import concurrent.futures
 import json
 import os
@@ -67,8 +68,9 @@ def test_paper_tables_at_the_smallest_scale(tmp_path):
     """dt, gsg and dcl on a generated folder of 8 px images, width 8, 1 epoch, each row's batch /
     16 (DT's batch 1024 runs at 64 of the 96 images): the header names every change of scale, the
     published numbers stay in rows.json but the table says "not comparable", the rows run have
-    our numbers (gsg: 2 seeds, mean and spread), the others say "not run". One row per paper runs
-    (gsg: two seeds): each run is seconds of CPU, mostly importing torch."""
+    our numbers (gsg: 2 seeds, mean and spread, each then linear_eval.py for 1 epoch), the others
+    say "not run". One row per paper runs (gsg: two seeds): each run is seconds of CPU, mostly
+    importing torch."""
     data = tiny_image_folder(str(tmp_path / "data"), classes=2, train_per_class=48,
                              val_per_class=8, height=8, width=8)
     scale = ["--dataset", "imagefolder", "--data-dir", data, "--image-size", "8", "--width", "8",
@@ -110,6 +112,9 @@ def test_paper_tables_at_the_smallest_scale(tmp_path):
                 assert line["ours"] == pytest.approx(sum(values) / 2)
                 assert line["ours_spread"] == pytest.approx(abs(values[0] - values[1]) / 2 ** 0.5)
             assert sum(" ± " in line and "(n=2)" in line for line in table) == 2
+            for seed in "01":  # --linear-epochs 1: linear_eval.py's --epochs
+                folder = tmp_path / paper / "simsiam-guided" / f"seed{seed}"
+                assert json.load(open(folder / "linear_gsg-cifar.json"))["epochs"] == 1
         if paper == "dcl":  # lightly's best epoch, and ours both ways
             by = {(r["row"], r["metric"]): r for r in saved["rows"]}
             for row in ran:
@@ -119,18 +124,23 @@ def test_paper_tables_at_the_smallest_scale(tmp_path):
 class FakeRun:
     """Stands in for subprocess.Popen: notes each job's CUDA_VISIBLE_DEVICES and command, how
     many jobs share a GPU at once, and writes the run folder a finished script would (one row
-    fails with an `error:` line)."""
+    fails with an `error:` line), or linear_eval.py its linear_NAME.json."""
 
     def __init__(self, fail=None):
         self.fail, self.jobs, self.lock, self.busy, self.most = fail, [], threading.Lock(), {}, {}
 
     def __call__(self, cmd, stdout, stderr, env):
         gpu = env.get("CUDA_VISIBLE_DEVICES")
-        out = cmd[cmd.index("--out") + 1]
+        linear = "--protocol" in cmd  # linear_eval.py RUN --protocol NAME
+        out = cmd[cmd.index("--protocol") - 1] if linear else cmd[cmd.index("--out") + 1]
         with self.lock:
-            self.jobs.append({"gpu": gpu, "cmd": cmd, "out": out})
+            self.jobs.append({"gpu": gpu, "cmd": cmd, "out": out, "linear": linear})
             self.busy[gpu] = self.busy.get(gpu, 0) + 1
             self.most[gpu] = max(self.most.get(gpu, 0), self.busy[gpu])
+        if linear:
+            name = cmd[cmd.index("--protocol") + 1]
+            json.dump({"linear_top1": 80.0}, open(os.path.join(out, f"linear_{name}.json"), "w"))
+            return FakeProcess(self, gpu, 0)
         json.dump({"args": {"epochs": 200}}, open(os.path.join(out, "config.json"), "w"))
         with open(os.path.join(out, "metrics.jsonl"), "w") as f:
             for epoch, knn in ((1, 50.0), (2, 81.0), (3, 80.0)):
@@ -139,8 +149,8 @@ class FakeRun:
         if fails:
             stdout.write("error: --data-dir ./data: no CIFAR-10 there\n")
         else:
-            json.dump({"knn_top1": 80.0, "knn_k1_top1": 80.0, "linear_top1": 80.0,
-                       "online_top1": 80.0}, open(os.path.join(out, "results.json"), "w"))
+            json.dump({"knn_top1": 80.0, "knn_k1_top1": 80.0, "online_top1": 80.0},
+                      open(os.path.join(out, "results.json"), "w"))
         return FakeProcess(self, gpu, 2 if fails else 0)
 
 
@@ -159,8 +169,10 @@ def test_gpus_give_each_job_its_own_cuda_visible_devices(tmp_path, monkeypatch):
     """--gpus 0,1 --jobs-per-gpu 2: every job on GPU 0 or 1, at most 2 on one GPU at a time (and
     2 reached); --nproc 2 --gpus 0,1,2,3: each torchrun job gets a pair; without --gpus the
     environment's own devices are left alone. The full-scale gsg / dcl tables show the published
-    numbers and the difference, dcl-imagenet's borrowed protocol stays "not comparable", a failed row shows
-    its error line, and a second call reruns only that row."""
+    numbers and the difference, dcl-imagenet's borrowed protocol stays "not comparable", a failed
+    row shows its error line, and a second call reruns only that row. linear_eval.py runs after
+    each gsg run that finished, on its GPUs; its linear_NAME.json gives the top-1, and a second
+    call reruns it alone where that is missing."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
     fake = FakeRun(fail="simclr-dclw-b64")
     monkeypatch.setattr(compare.subprocess, "Popen", fake)
@@ -181,16 +193,29 @@ def test_gpus_give_each_job_its_own_cuda_visible_devices(tmp_path, monkeypatch):
     assert compare.main(dcl) == 1
     assert [job["out"] for job in fake.jobs] == [os.path.join(out, "simclr-dclw-b64", "seed0")]
 
-    fake = FakeRun()
+    fake = FakeRun(fail=os.path.join("byol-guided", "seed2"))
     monkeypatch.setattr(compare.subprocess, "Popen", fake)
     out = str(tmp_path / "gsg")
-    assert compare.main(["--paper", "gsg", "--out", out, "--nproc", "2", "--gpus",
-                         "0,1,2,3"]) == 0
-    assert len(fake.jobs) == 12 and {job["gpu"] for job in fake.jobs} == {"0,1", "2,3"}
+    gsg = ["--paper", "gsg", "--out", out, "--nproc", "2", "--gpus", "0,1,2,3"]
+    assert compare.main(gsg) == 1
+    assert len(fake.jobs) == 23 and {job["gpu"] for job in fake.jobs} == {"0,1", "2,3"}
     assert all("--nproc_per_node=2" in job["cmd"] for job in fake.jobs)
+    trained = {job["out"]: job for job in fake.jobs if not job["linear"]}
+    for job in (job for job in fake.jobs if job["linear"]):
+        run = trained.pop(job["out"])
+        assert job["cmd"][-6:] == [os.path.join(ROOT, "benchmarks", "linear_eval.py"),
+                                   job["out"], "--protocol", "gsg-cifar", "--device", "cuda"]
+        assert job["gpu"] == run["gpu"] and fake.jobs.index(job) > fake.jobs.index(run)
+    assert list(trained) == [os.path.join(out, "byol-guided", "seed2")]  # failed: no evaluation
     saved, text = check_published(out, "gsg")
     assert saved["comparable"] and "| 77.00 ± 0.67 | GSG Table 1 | +3.00 |" in text
-    assert "80.00 ± 0.00 (n=3)" in text
+    assert "| 80.00 ± 0.00 (n=3) | 82.70 ± 0.26 | GSG Table 1 | -2.70 |" in text
+    os.remove(os.path.join(out, "simsiam-guided", "seed0", "linear_gsg-cifar.json"))
+    fake.jobs.clear()
+    assert compare.main(gsg) == 1
+    assert sorted((job["out"], job["linear"]) for job in fake.jobs) == [
+        (os.path.join(out, "byol-guided", "seed2"), False),
+        (os.path.join(out, "simsiam-guided", "seed0"), True)]
 
     fake = FakeRun()
     monkeypatch.setattr(compare.subprocess, "Popen", fake)

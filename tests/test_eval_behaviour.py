@@ -107,8 +107,7 @@ def table_data(train_f, train_y, test_f, test_y, num_classes):
 
 
 def evaluation_args(**options):
-    defaults = dict(workers=0, knn_k=200, knn_t=0.1, linear_protocol="fixed", linear_epochs=0,
-                    linear_lr=None, linear_batch=None, seed=0, epochs=1)
+    defaults = dict(knn_k=200, knn_t=0.1, linear_epochs=0, seed=0, epochs=1)
     return SimpleNamespace(**{**defaults, **options})
 
 
@@ -124,8 +123,7 @@ def test_final_evaluation_reports_knn_with_knn_k_and_knn_t_and_with_k_1():
     test_f, test_y = on_circle(0.0, 1.2), torch.tensor([1, 1])
     backbone, data = table_data(train_f, train_y, test_f, test_y, 3)
     features = common.split_features(backbone, data, CPU)
-    result = common.evaluate(features, backbone, data, CPU,
-                             evaluation_args(knn_k=3, knn_t=0.02), final=True)
+    result = common.evaluate(features, data, evaluation_args(knn_k=3, knn_t=0.02), final=True)
     case = (train_f, train_y, test_f, test_y)
     assert result["knn_top1"] == knn_by_hand(*case, k=3, t=0.02) == 50.0
     assert result["knn_k1_top1"] == knn_by_hand(*case, k=1, t=0.02) == 0.0
@@ -171,4 +169,4 @@ def test_the_fixed_probe_standardises_the_test_features_with_the_training_statis
         jitter = 0.5 * torch.rand(n, 1, generator=g) - 0.25  # (n, 1)
         return 100 + 0.1 * ((2 * y[:, None] - 1) + jitter), y
     (train_f, train_y), (test_f, test_y) = features(200), features(100)
-    assert common.linear_probe(train_f, train_y, test_f, test_y, 2, 5, 1e-3, 32) == 100.0
+    assert common.linear_probe(train_f, train_y, test_f, test_y, 2, 5, batch=32) == 100.0

@@ -1,8 +1,7 @@
-"""LARS against its formula, the final linear protocols (frozen backbone, streamed image folders)
-and the online probe (no change to pre-training), each also across 2 processes."""
+"""LARS against its formula and the online probe (no change to pre-training), both also across 2
+processes; the kNN bank's and the fixed probe's memory."""
 
 import json
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -11,8 +10,7 @@ import torch.nn as nn
 
 import common
 import moco_simmoco_simco
-from helpers import (float64, global_batch_loss, harness_module, run_distributed, small_network,
-                     smoke_args)
+from helpers import float64, global_batch_loss, run_distributed, small_network, smoke_args
 from test_runs import flat_tensors
 
 CPU = torch.device("cpu")
@@ -107,40 +105,13 @@ def online_probes(backbone, ctx):
         SimpleNamespace(num_classes=3), ctx, SimpleNamespace(workers=0, seed=0), encoder)
 
 
-def _streamed_probe(folder, ctx):
-    """The moco protocol on a streamed image folder, 2 epochs, batch 16 -> (its classifier's
-    state, test top-1 %)."""
-    args = harness_module().parse_args(smoke_args(folder, os.path.join(folder, "no-run")))
-    data = common.load_data(args, ctx)
-    assert data.streaming
-    torch.manual_seed(0)
-    backbone = common.ResNet("resnet18", 8, 16)
-    made = []
-    make = common.linear_classifier
-    common.linear_classifier = lambda *a, **k: made.append(make(*a, **k)) or made[-1]
-    try:
-        test = common.extract_features(backbone, data.eval_test, data, ctx, unit=False)
-        top1 = common.linear_probe_augmented(backbone, data, ctx, "moco", test, 2, 30.0, 16,
-                                             seed=0)
-    finally:
-        common.linear_classifier = make
-    return {k: v.detach().clone() for k, v in made[0].state_dict().items()}, top1
-
-
-def _worker(folder):
+def _worker():
     ctx = ctx_for(common.rank(), 2)
     with float64():
-        steps = _lars_and_online_probe_steps(ctx, slice(4 * ctx.rank, 4 * ctx.rank + 4))
-    return steps, _streamed_probe(folder, ctx)
+        return _lars_and_online_probe_steps(ctx, slice(4 * ctx.rank, 4 * ctx.rank + 4))
 
 
-@pytest.fixture(scope="module")
-def two_processes(tiny_folder, tmp_path_factory):
-    return run_distributed("test_lars_and_probes", "_worker", tmp_path_factory.mktemp("dist"),
-                           tiny_folder)
-
-
-def test_lars_and_the_online_probe_train_like_one_process(two_processes):
+def test_lars_and_the_online_probe_train_like_one_process(tmp_path):
     """3 steps of LARS on 2 ranks leave the model where 3 steps of one process on the whole batch
     do; the online probe's classifier too: its gradient is the mean over the global batch's
     labelled views (rank 1 has 2 labelled images of 4, rank 0 all 4), not a mean of rank means."""
@@ -148,59 +119,15 @@ def test_lars_and_the_online_probe_train_like_one_process(two_processes):
         model, classifier = _lars_and_online_probe_steps(ctx_for(0, 1), slice(0, 8))
     torch.manual_seed(0)
     initial = small_network().state_dict()
-    for rank in two_processes:
+    for rank in run_distributed("test_lars_and_probes", "_worker", tmp_path):
         for key, value in model.items():
-            assert torch.allclose(rank[0][0][key], value, rtol=0, atol=1e-10), key
+            assert torch.allclose(rank[0][key], value, rtol=0, atol=1e-10), key
         for key, value in classifier.items():
-            assert torch.allclose(rank[0][1][key], value, rtol=0, atol=1e-12), key
+            assert torch.allclose(rank[1][key], value, rtol=0, atol=1e-12), key
     assert max((model[k].double() - initial[k]).abs().max() for k in model) > 1e-3
     with float64():
         start = common.linear_classifier(32, 3, CPU, 0).weight  # the backbone's 32 features
     assert (classifier["weight"] - start).abs().max() > 1e-4
-
-
-def test_the_streamed_augmented_probe_on_two_processes_equals_one(two_processes, tiny_folder):
-    """An augmented probe on a streamed folder (workers decode and crop) trains the same
-    classifier on 2 ranks as on one: each rank crops its rows as one process would, and the
-    gradient is the global batch's mean."""
-    single, top1 = _streamed_probe(tiny_folder, ctx_for(0, 1))
-    for (classifier, rank_top1) in (rank[1] for rank in two_processes):
-        assert rank_top1 == top1
-        for key, value in single.items():
-            assert torch.allclose(classifier[key], value, rtol=1e-4, atol=1e-4), key
-    start = common.linear_classifier(64, 3, CPU, 0, std=0.01).weight  # width 8: 64 features
-    assert (single["weight"] - start).abs().max() > 1e-2
-
-
-# ------------------------------------------------------------------------------ frozen backbone
-
-HELD = ["--dataset", "textures", "--limit-train", "64", "--width", "8", "--batch-size", "16",
-        "--device", "cpu"]
-
-
-@pytest.mark.parametrize("stream", [False, True], ids=["held", "streamed"])
-def test_every_probe_leaves_the_backbone_bit_identical(tiny_folder, tmp_path, stream):
-    """After each --linear-protocol's probe, every parameter and BatchNorm buffer (running
-    mean/var, num_batches_tracked) of the backbone is bit-identical, and its train/eval mode is
-    as before."""
-    torch.manual_seed(0)
-    backbone = common.ResNet("resnet18", 8, 16)
-    backbone.train()
-    for protocol in common.LINEAR_PROTOCOLS:
-        out = tmp_path / protocol
-        options = ["--linear-protocol", protocol, "--linear-epochs", "2", "--linear-batch", "16"]
-        argv = smoke_args(tiny_folder, out, *options) if stream else [*HELD, *options]
-        args = harness_module().parse_args(argv)
-        data = common.load_data(args, ctx_for(0, 1))
-        before = {k: v.clone() for k, v in backbone.state_dict().items()}
-        features = common.split_features(backbone, data, ctx_for(0, 1))
-        result = common.evaluate(features, backbone, data, ctx_for(0, 1), args, final=True)
-        assert result["linear_protocol"] == protocol
-        assert backbone.training
-        after = backbone.state_dict()
-        assert before.keys() == after.keys() and any("running_mean" in k for k in before)
-        for key in before:
-            assert torch.equal(before[key], after[key]), (protocol, key)
 
 
 # ------------------------------------------------------------------------------ online probe
@@ -352,8 +279,8 @@ def test_the_fixed_probe_standardises_a_chunk_of_the_bank_at_a_time():
     train_y[::7] = -1  # unlabelled rows, left out of the statistics
     bank = train_f.half()
     with Largest() as largest:
-        half = common.linear_probe(bank, train_y, test_f.half(), test_y, 10, 2, 1e-3, 4096)
+        half = common.linear_probe(bank, train_y, test_f.half(), test_y, 10, 2, batch=4096)
     assert largest.numel < train_f.numel() / 2, largest.numel
-    single = common.linear_probe(train_f, train_y, test_f, test_y, 10, 2, 1e-3, 4096)
+    single = common.linear_probe(train_f, train_y, test_f, test_y, 10, 2, batch=4096)
     assert 20 < single < 95, single
     assert abs(half - single) <= 1.0, (half, single)
