@@ -55,7 +55,6 @@ class Context:
     world: int
     local_rank: int
     device: torch.device
-    out: str
     amp: bool
 
     def autocast(self):
@@ -1167,7 +1166,7 @@ def setup(args):
     amp = cuda and args.amp
     if amp is None:  # unset: where the GPU has native bf16
         amp = torch.cuda.is_bf16_supported(including_emulation=False)
-    return Context(rank, world, local_rank, device, args.out, amp)
+    return Context(rank, world, local_rank, device, amp)
 
 
 def open_run(args, ctx):

@@ -15,7 +15,7 @@ import torch
 import common
 from common import Augment, Context, Recipe
 
-ONE_PROCESS = Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
+ONE_PROCESS = Context(0, 1, 0, torch.device("cpu"), amp=False)
 BATCHES, BATCH = 8, 500  # 4,000 images a draw, in batches of 500
 # no crop, flip or colour: each test turns on the one op it reads
 NO_OPS = dict(crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), flip_p=0.0, jitter=(0, 0, 0, 0),

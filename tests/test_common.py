@@ -188,7 +188,7 @@ def test_crop_falls_back_to_centre_crop_when_no_draw_fits():
 
 
 def ctx_for(rank, world):
-    return Context(rank, world, 0, CPU, out="", amp=False)
+    return Context(rank, world, 0, CPU, amp=False)
 
 
 def test_every_sample_gets_its_own_parameters():

@@ -14,7 +14,7 @@ import torch
 import common
 from helpers import QUICK_START
 
-CPU = common.Context(0, 1, 0, torch.device("cpu"), "", False)
+CPU = common.Context(0, 1, 0, torch.device("cpu"), False)
 # Absolute, on normalised views (std 0.25 here). Measured: 1.7e-6 (a float32 rounding of a pixel,
 # times 4); a crop box or a coin that came out otherwise would differ by whole pixels.
 TOLERANCE = 1e-5

@@ -253,7 +253,7 @@ def augment_on(device):
     """common.Augment on `device` with every op on (crop, flip, jitter with hue, grey, blur,
     solarize), and a batch of uint8 images there."""
     recipes = [common.Recipe(blur_p=0.5, solarize_p=0.2), common.Recipe(gray_p=0.5, blur_p=1.0)]
-    ctx = common.Context(0, 1, 0, torch.device(device), "", False)
+    ctx = common.Context(0, 1, 0, torch.device(device), False)
     augment = common.Augment(recipes, 32, *common.STATS["cifar10"], ctx)
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8, generator=g)
@@ -309,7 +309,7 @@ def batchnorm_on_cuda(case, implementation, rank=0, world=1, bf16=False):
     bn.bias.data.uniform_(-1, 1, generator=g)
     bn = bn.cuda()
     if implementation == "global":
-        ctx = common.Context(rank, world, rank, torch.device("cuda"), "", bf16)
+        ctx = common.Context(rank, world, rank, torch.device("cuda"), bf16)
         bn = common.sync_batchnorm(nn.Sequential(bn), ctx)[0]
         bn.__class__ = common.GlobalBatchNorm  # at world 1 too
     rows = slice(rank * shape[0] // world, (rank + 1) * shape[0] // world)
@@ -383,7 +383,7 @@ def _worker_no_host_sync():
     norm, passed through common.distribute (global BatchNorm, DDP), under
     torch.cuda.set_sync_debug_mode("error"), after two warm-up passes (DDP builds its buckets)."""
     rank = common.rank()
-    ctx = common.Context(rank, 2, rank, torch.device("cuda", rank), "",
+    ctx = common.Context(rank, 2, rank, torch.device("cuda", rank),
                          torch.cuda.is_bf16_supported(including_emulation=False))
     torch.manual_seed(0)
     model = nn.Sequential(common.ResNet("resnet18", 8, 32), nn.Linear(64, 64),

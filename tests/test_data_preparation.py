@@ -43,7 +43,7 @@ def test_nodes_sharing_a_data_dir_download_one_at_a_time(tmp_path, monkeypatch):
     the file lock in --data-dir lets one download and extract while the other waits."""
     monkeypatch.setattr(torchvision.datasets, "CIFAR10", FakeCIFAR10)
     monkeypatch.setattr(FakeCIFAR10, "downloads", [])
-    ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)  # each a node's rank 0
+    ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)  # each a node's rank 0
     start = threading.Barrier(2)
     shapes = []
 
@@ -67,7 +67,7 @@ def _worker_node(data_dir):
     the processes of a machine)."""
     torchvision.datasets.CIFAR10 = FakeCIFAR10
     rank = common.rank()
-    ctx = common.Context(rank, 2, rank, torch.device("cpu"), out="", amp=False)
+    ctx = common.Context(rank, 2, rank, torch.device("cpu"), amp=False)
     common.torchvision_splits(cifar_args(data_dir), ctx, dict(train=True), dict(train=False))
     return FakeCIFAR10.downloads, FakeCIFAR10.reads
 

@@ -69,7 +69,7 @@ def test_cifar10_is_decoded_once_to_uint8_on_the_device(tmp_path, no_md5):
     args = harness.parse_args(
         ["--data-dir", root, "--device", "cpu", "--limit-train", "30", "--batch-size", "16"]
     )
-    data = common.load_data(args, common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False))
+    data = common.load_data(args, common.Context(0, 1, 0, torch.device("cpu"), amp=False))
     images, labels = coloured_images(8, 32, 0)
     assert data.train.dtype == torch.uint8 and data.train.shape == (30, 3, 32, 32)
     assert (
@@ -105,7 +105,7 @@ def test_stl10_pretrains_on_train_plus_unlabeled_and_evaluates_on_labelled_split
     args = harness.parse_args(
         ["--dataset", "stl10", "--data-dir", root, "--device", "cpu", "--batch-size", "16"]
     )
-    data = common.load_data(args, common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False))
+    data = common.load_data(args, common.Context(0, 1, 0, torch.device("cpu"), amp=False))
     images, labels = coloured_images(12, 96, 0)
     assert data.train.shape == (32, 3, 96, 96) and data.image_size == 96
     assert torch.equal(data.train[:12], torch.from_numpy(images))
@@ -150,7 +150,7 @@ def test_each_split_is_read_once_and_the_files_checked_once_a_node(dataset, writ
                                "--batch-size", "8"])
     for local_rank, file_checks in ((0, checks * len(files)), (1, 0)):
         counts.update(dict.fromkeys(counts, 0))
-        ctx = common.Context(local_rank, 1, local_rank, torch.device("cpu"), out="", amp=False)
+        ctx = common.Context(local_rank, 1, local_rank, torch.device("cpu"), amp=False)
         data = common.load_data(args, ctx)
         assert counts == {"constructions": 2, "file checks": file_checks}, (local_rank, counts)
         assert data.eval_test[0].shape[0] in (10, 20)  # the fakes' test splits
@@ -175,7 +175,7 @@ def test_textures_are_held_like_cifar_and_nothing_is_written(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     args = harness.parse_args(["--dataset", "textures", "--device", "cpu", "--seed", "3",
                                   "--limit-train", "100", "--batch-size", "16"])
-    data = common.load_data(args, common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False))
+    data = common.load_data(args, common.Context(0, 1, 0, torch.device("cpu"), amp=False))
     (images, labels), (test, _) = common.texture_images(3)
     assert torch.equal(data.train, images[:100]) and torch.equal(data.train_labels, labels[:100])
     assert data.eval_train[0] is data.train and torch.equal(data.eval_test[0], test)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import common
 
-CPU = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
+CPU = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
 
 
 def on_circle(*angles):

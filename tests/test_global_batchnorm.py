@@ -115,7 +115,7 @@ KERNELS = {f.__name__: f for f in (
 
 
 def ctx_for(rank, world, amp=False):
-    return common.Context(rank, world, 0, torch.device("cpu"), "", amp)
+    return common.Context(rank, world, 0, torch.device("cpu"), amp)
 
 
 def batchnorm_step(case, implementation, rank, world):
@@ -366,7 +366,7 @@ def test_a_ragged_last_batch_never_reaches_the_step(dataset, tiny_folder):
     argv = ["--dataset", dataset, "--data-dir", tiny_folder, "--limit-train", "70",
             "--batch-size", "20", "--workers", "0", "--out", "/nonexistent"]
     for rank in range(2):
-        ctx = common.Context(rank, 2, 0, torch.device("cpu"), "", False)
+        ctx = common.Context(rank, 2, 0, torch.device("cpu"), False)
         data = common.load_data(harness.parse_args(argv), ctx)
         order = common.epoch_generators(0, 0)[0]
         rows = [len(y) for _, y in common.train_batches(data, 20, order, ctx)]

@@ -17,7 +17,7 @@ CPU = torch.device("cpu")
 
 
 def ctx_for(rank, world):
-    return common.Context(rank, world, 0, CPU, out="", amp=False)
+    return common.Context(rank, world, 0, CPU, amp=False)
 
 
 # ------------------------------------------------------------------------------ LARS

@@ -13,7 +13,7 @@ import moco_simmoco_simco as mss
 import simsiam_byol_gsg as gsg
 from helpers import smoke_args
 
-CPU = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
+CPU = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
 
 
 def D(p, z):

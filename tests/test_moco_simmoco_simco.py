@@ -278,7 +278,7 @@ def test_both_views_pass_the_online_encoder_and_feed_the_online_probe_in_every_m
     gives the probe 2 b rows of backbone features and the online BatchNorm two batches, without
     --symmetric too (the loss still takes q1 alone there); the momentum probe gets the key
     encoder's 2 b rows where there is one."""
-    ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
+    ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
     model, net, key_encoder, queues, optimizer, args = tiny_setup(method, False, ctx)
     views = step_views(0)
     _, _, features = mss.train_step(net, optimizer, views, args, ctx, key_encoder, queues)
@@ -299,7 +299,7 @@ def probe_step_by_hand(classifier, features, labels, lr):
 
 
 def tiny_probes(momentum=False):
-    ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
+    ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
     encoder = mss.Encoder("resnet18", 4, 8, 16, 8)
     data = SimpleNamespace(num_classes=3)
     args = SimpleNamespace(workers=0, seed=0)
@@ -341,7 +341,7 @@ def test_momentum_encoder_is_ema_of_the_query_encoder_and_queue_gets_its_keys_wi
     """After a step: theta_k = m theta_k_old + (1 - m) theta_q (parameter by parameter); the queue's
     new rows are the normalised keys k = f_k(x2) of the step; the queue and key encoder get no
     gradient."""
-    ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
+    ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
     with float64():
         model, net, key_encoder, queues, optimizer, args = tiny_setup("mocov2", False, ctx)
         views = step_views(0)
@@ -363,7 +363,7 @@ def test_simco_loss_is_symmetric_with_gradient_through_both_views_each_its_own_f
     """SimCo: (L(z1, z2) + L(z2, z1)) / 2 with z1, z2 from one encoder; no momentum encoder, no
     queue. z1 and z2 come from separate forward passes (BatchNorm statistics per view, as
     solo-learn's per-crop forward); one pass over both views would normalise over 2b images."""
-    ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
+    ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
     with float64():
         model, net, _, _, optimizer, args = tiny_setup("simco", False, ctx)
         views = step_views(0)
@@ -385,7 +385,7 @@ def test_symmetric_pairs_q1_with_k2_and_q2_with_k1_mocov2_with_two_queues(method
 
     MoCo v2+ keeps two queues, as official mocov2plus: q1's negatives are past k2's (queue 0), q2's
     past k1's (queue 1); after the step k2 is pushed onto queue 0 and k1 onto queue 1."""
-    ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
+    ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
     with float64():
         model, net, key_encoder, queues, optimizer, args = tiny_setup(method, True, ctx)
         views = step_views(0)
@@ -430,7 +430,7 @@ def losses_on(q, k, queue, rank=0, world=1):
 
 def run_steps(method, symmetric, rank=0, world=1, steps=3):
     """Three real train_steps; returns losses, diagnostics and every state that must match."""
-    ctx = common.Context(rank, world, 0, torch.device("cpu"), out="", amp=False)
+    ctx = common.Context(rank, world, 0, torch.device("cpu"), amp=False)
     model, net, key_encoder, queues, optimizer, args = tiny_setup(method, symmetric, ctx)
     losses, stats = [], []
     for step in range(steps):

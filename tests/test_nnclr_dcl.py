@@ -269,7 +269,7 @@ def test_train_step_minimises_nnclr_loss_then_enqueues_z1_and_counts_same_class_
     torch.set_default_dtype(torch.float64)
     try:
         model = tiny_model()
-        ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
+        ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         g = torch.Generator().manual_seed(16)
         views = [torch.randn(6, 3, 8, 8, generator=g) for _ in range(2)]
@@ -342,7 +342,7 @@ def _worker():
     support = SupportSet(12, 8)
     support.push(common.gather(z1[rows]), common.gather(torch.arange(8)[rows]))
     support.push(common.gather(z2[rows]), common.gather(torch.arange(8, 16)[rows]))
-    ctx = common.Context(rank, 2, 0, torch.device("cpu"), out="", amp=False)
+    ctx = common.Context(rank, 2, 0, torch.device("cpu"), amp=False)
     return {"losses": losses, "push": support.state_dict(), "train": _train_three_steps(ctx, rows)}
 
 
@@ -389,7 +389,7 @@ def test_two_processes_train_like_one_process(two_processes):
     weights) leave the model and the support set where 3 steps of one process leave them."""
     torch.set_default_dtype(torch.float64)
     try:
-        ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
+        ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
         params, support, history = _train_three_steps(ctx, slice(0, 8))
         initial = tiny_model().state_dict()
     finally:

@@ -135,7 +135,7 @@ def test_each_script_builds_its_authors_cifar_stem_and_records_its_padding(
         assert json.load(f)["args"]["stem_padding"] == padding
 
 
-CPU_CTX = common.Context(0, 1, 0, torch.device("cpu"), "", False)
+CPU_CTX = common.Context(0, 1, 0, torch.device("cpu"), False)
 
 
 def test_an_image_folder_of_mixed_sizes_just_works(tmp_path):
@@ -176,7 +176,7 @@ def _args(data_dir, *extra):
 
 def _worker_stream(same_dir):
     """Each rank's first streamed batch of one image repeated."""
-    ctx = common.Context(common.rank(), 2, 0, torch.device("cpu"), "", False)
+    ctx = common.Context(common.rank(), 2, 0, torch.device("cpu"), False)
     streamed = common.load_data(_args(same_dir, "--workers", "1"), ctx)
     order = common.epoch_generators(0, 0)[0]
     images, _ = next(common.train_batches(streamed, 8, order, ctx, 1))

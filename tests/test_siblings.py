@@ -54,7 +54,7 @@ def test_momentum_encoder_and_ema_update_are_the_same_code_in_both_files():
     the same source, docstrings included."""
     for name in ("momentum_encoder", "ema_update"):
         assert inspect.getsource(getattr(mss, name)) == inspect.getsource(getattr(gsg, name)), name
-    ctx = common.Context(0, 1, 0, torch.device("cpu"), out=None, amp=False)
+    ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     frozen = gsg.momentum_encoder(model, ctx)
     for p, f in zip(model.parameters(), frozen.parameters()):

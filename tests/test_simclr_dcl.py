@@ -214,7 +214,7 @@ def test_train_step_returns_the_loss_and_q_b_of_the_model_before_the_step():
     with float64():
         torch.manual_seed(0)
         model = simclr_dcl.SimCLR("resnet18", 4, 8, proj_hidden=16, proj_dim=8)
-        ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
+        ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         g = torch.Generator().manual_seed(4)
         views = [torch.randn(6, 3, 8, 8, generator=g) for _ in range(2)]
@@ -287,7 +287,7 @@ train_step = simclr_dcl.train_step
 
 def _worker_steps():
     torch.set_default_dtype(torch.float64)
-    ctx = common.Context(common.rank(), 2, 0, torch.device("cpu"), out="", amp=False)
+    ctx = common.Context(common.rank(), 2, 0, torch.device("cpu"), amp=False)
     return _train_three_steps(ctx, slice(common.rank() * 4, common.rank() * 4 + 4))
 
 
@@ -296,7 +296,7 @@ def test_two_processes_train_like_one_process(tmp_path):
     model exactly where 3 steps of one process on the whole batch do."""
     ranks = run_distributed("test_simclr_dcl", "_worker_steps", tmp_path)
     with float64():
-        ctx = common.Context(0, 1, 0, torch.device("cpu"), out="", amp=False)
+        ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
         single = _train_three_steps(ctx, slice(0, 8))
     torch.manual_seed(0)
     initial = simclr_dcl.SimCLR("resnet18", 4, 8, proj_hidden=16, proj_dim=8).state_dict()

@@ -98,14 +98,14 @@ def test_random_stopgrad_hits_each_case_a_quarter_of_the_time_and_is_seeded():
     _, case = gsg.guided_stopgrad_loss(*args, mode="random")
     freq = torch.bincount(case, minlength=4).double() / len(case)
     torch.testing.assert_close(freq, torch.full((4,), 0.25, dtype=torch.float64), rtol=0, atol=0.01)
-    ctx = common.Context(0, 1, 0, torch.device("cpu"), out=None, amp=False)
+    ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
     draws = [gsg.draw_pairing(64, "random", common.epoch_generators(7, 3)[0], ctx)
              for _ in range(2)]
     torch.testing.assert_close(draws[0][0], draws[1][0], rtol=0, atol=0)
     torch.testing.assert_close(draws[0][1], draws[1][1], rtol=0, atol=0)
     # each of 2 ranks gets its own rows of the one global draw, partners and cases alike
     ranks = [gsg.draw_pairing(64, "random", common.epoch_generators(7, 3)[0],
-                              common.Context(r, 2, 0, torch.device("cpu"), out=None, amp=False))
+                              common.Context(r, 2, 0, torch.device("cpu"), amp=False))
              for r in range(2)]
     for k in range(2):
         torch.testing.assert_close(torch.cat([ranks[0][k], ranks[1][k]]), draws[0][k], rtol=0,
@@ -162,7 +162,7 @@ def test_byol_ema_update_and_cosine_schedule(float64):
     assert gsg.ema_momentum(100, 100, 0.99, "cosine") == pytest.approx(1.0)
 
 
-CPU = common.Context(0, 1, 0, torch.device("cpu"), out=None, amp=False)
+CPU = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
 
 
 def test_simsiam_target_gets_no_gradient_and_byol_target_moves_only_by_ema_after_the_step(float64):
@@ -299,7 +299,7 @@ def _losses_and_grads(rank, world):
 def _train_steps(rank, world, method):
     """STEPS four-crop guided train_step calls (BYOL: EMA inside) on a DDP model."""
     torch.manual_seed(0)
-    ctx = common.Context(rank, world, 0, torch.device("cpu"), out=None, amp=False)
+    ctx = common.Context(rank, world, 0, torch.device("cpu"), amp=False)
     model = gsg.SiameseNet("resnet18", WIDTH, SIZE, 16, 16, 8)
     target = None
     if method == "byol":
