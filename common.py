@@ -703,7 +703,7 @@ class ImageFiles(torch.utils.data.Dataset):
             side = round(self.size / 0.875) if self.size > 64 else self.size
             image = TF.resize(image, [side], antialias=True)
             return TF.center_crop(image, [self.size]), label
-        # (epoch seed, i) alone: any rank, worker or resume
+        # (epoch seed, i) alone: any rank, worker or continued run
         with torch.random.fork_rng(devices=[]):
             # the CPU's only: fork_rng(devices=[]) puts back no GPU's
             torch.default_generator.manual_seed(self.seed + i)
@@ -724,7 +724,7 @@ class ImageFiles(torch.utils.data.Dataset):
 
 
 def epoch_generators(seed, epoch):
-    """This epoch's generators, the order's and the views': a resumed
+    """This epoch's generators, the order's and the views': a continued
     run draws as if never stopped. Both on the CPU: alike on any
     machine."""
     seed = 2 * (seed * 100003 + epoch)
@@ -1378,7 +1378,7 @@ class Run:
         self.epoch = done
         if self.ctx.rank != 0:
             return
-        # every line: a resumed run's are its checkpoint's
+        # every line: a continued run's are its checkpoint's
         lines = "".join(json.dumps(r) + "\n" for r in self.metrics)
         write_atomic(os.path.join(self.args.out, "metrics.jsonl"),
                      lines.encode())
