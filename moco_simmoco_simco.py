@@ -482,9 +482,13 @@ def main(argv=None):
                              w_beta=w_beta, r_plus_entropy=entropy,
                              w_log_w=w_log_w)
 
-        # own: the epoch's means and share of the pull, the kNN
+        # own: the epoch's means and share of the pull, the anchors
+        # r_+ spans a step (2N with a loss per view), the kNN
         # monitor, the log
-        run.end_epoch(epoch_share(run.meter.summary()))
+        record = epoch_share(run.meter.summary())
+        per_view = args.method == "simco" or args.symmetric
+        record["anchors"] = args.batch_size * (2 if per_view else 1)
+        run.end_epoch(record)
 
     # shared: the final evaluation, backbone.pt, results.json
     run.finish()

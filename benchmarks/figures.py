@@ -11,10 +11,14 @@ committed ones: --out benchmarks/figures) with its data as JSON.
 
 --train first runs the figure's variants by compare.py (the
 README's quick-start T, lr 0.3 for every method, kNN each
-epoch; options after `--` go last). MoCo v2 there takes --lr 1.0 --key-momentum 0.999
---queue-size 256: at m = 0.99 its loss climbs to log(K + 1)
-and its kNN stays near the untrained 51%; at MoCo's m = 0.999
-it learns (51% -> 77% in 3 epochs).
+epoch; options after `--` go last). Each DCL and DT network
+is trained once, then evaluated at every batch size, or every
+K and tau_beta. GSG's runs without a predictor take 12
+epochs, the others 5. MoCo v2 takes --lr 1.0 --key-momentum
+0.999 --queue-size 256. In its 3 epochs the loss climbs
+toward log(K + 1) = 5.55 (5.17 -> 5.38) while kNN rises from
+the untrained 50% to 86%. At m = 0.99 the loss climbs too
+(4.09 -> 5.26), and kNN ends at 73%.
 """
 import argparse
 import importlib
@@ -23,6 +27,7 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 
 import torch
 import torch.nn.functional as F
@@ -52,13 +57,14 @@ TRAIN = {
            ["--no-online-probe", "--per-variant", "mocov2", MOCO]),
     "gsg": ([f"simsiam-{s}" for s in GSG]
             + [f"simsiam-{s}-no-predictor" for s in GSG[:2]],
-            ["--epochs", "5", "--limit-train", "1000"]),
+            ["--epochs", "5", "--limit-train", "1000",
+             "--per-variant", "*-no-predictor", "--epochs 12"]),
 }
 # --untrained: the method file whose network each figure shows
 UNTRAINED = {"dcl": "simclr_dcl", "dt": "moco_simmoco_simco"}
 SIZES = (32, 64, 128, 256, 512, 1024)
 TAUS = (0.05, 0.1, 0.2, 0.5, 1.0)
-SKIP = {"epoch", "seconds", "images_per_s"}
+SKIP = {"epoch", "seconds", "images_per_s", "anchors"}
 
 
 # ------------ runs
@@ -109,6 +115,17 @@ def rebuild(run, n):
     return script, args, state, views
 
 
+def trained(run, args, *also):
+    """'trained once with' the run's --batch-size, --epochs and
+    `also` options, for a caption; or 'untrained'."""
+    if run in UNTRAINED.values():
+        return "untrained"
+    keys = ("batch_size", "epochs", *also)
+    return "trained once with " + " ".join(
+        f"--{key.replace('_', '-')} {getattr(args, key)}"
+        for key in keys)
+
+
 def network(cls, args, state):
     """The run's network; state None: as main() builds it."""
     with torch.random.fork_rng(devices=[]):
@@ -126,7 +143,8 @@ def panels(count, title):
     """A titled figure and its `count` axes, four a row."""
     rows = -(-count // 4)
     width = min(count, 4)
-    fig = Figure(figsize=(4.2 * width, 3.4 * rows),
+    # At least 8 in wide: the caption's room.
+    fig = Figure(figsize=(max(4.2 * width, 8), 3.4 * rows),
                  layout="constrained")
     fig.suptitle(f"{title}: this code at small scale, "
                  f"not a reproduction")
@@ -143,20 +161,15 @@ def doubling_axis(ax, sizes, xlabel):
 
 
 def caption(fig, lines):
-    """The measured values, under the panels: a line wider than
-    the figure broken after a semicolon."""
+    """The measured values, under the panels, each line wrapped
+    to the figure's width (not inside an option's name)."""
     width = int(fig.get_figwidth() * 13)  # characters at size 9
-    broken = []
-    for line in lines:
-        parts = line.split("; ")
-        broken.append(parts[0])
-        for part in parts[1:]:
-            if len(broken[-1]) + len(part) + 2 > width:
-                broken[-1] += ";"
-                broken.append(part)
-            else:
-                broken[-1] += "; " + part
-    fig.supxlabel("\n".join(broken), fontsize=9)
+    wrapped = [part for line in lines
+               for part in textwrap.wrap(line, width,
+                                         break_on_hyphens=False)]
+    fig.supxlabel("\n".join(wrapped), fontsize=9)
+    # A line of size 9 is about 0.15 in: the panels keep theirs.
+    fig.set_figheight(fig.get_figheight() + 0.15 * len(wrapped))
 
 
 def epochs_axis(ax, title, ylabel=None):
@@ -228,8 +241,9 @@ def dcl_figure(runs):
                                 bin_edges=edges.tolist())
         first = rows[sizes[0]]
         last = rows[sizes[-1]]
-        lines.append(f"{label}, from N = {sizes[0]} to "
-                     f"{sizes[-1]}: <q_B> {first['mean']:.3f} -> "
+        lines.append(f"{label}, {trained(run, args)}: from N "
+                     f"= {sizes[0]} to {sizes[-1]}, <q_B> "
+                     f"{first['mean']:.3f} -> "
                      f"{last['mean']:.3f}, C_v {first['cv']:.3f} "
                      f"-> {last['cv']:.4f}")
     # q_B lies in (0, 1), C_v from 0: both axes start at 0.
@@ -238,6 +252,10 @@ def dcl_figure(runs):
     axes[-1].set_ylim(bottom=0)
     for ax in axes[-2:]:
         doubling_axis(ax, sizes, "batch size N")
+    # DCL Fig. 1(b)'s protocol: one network, each batch size.
+    lines.append("Each network evaluated at every N, as DCL Fig. "
+                 "1(b) evaluates \"a pre-trained SimCLR baseline "
+                 "model\"; networks trained at other N not shown")
     caption(fig, lines)
     return fig, saved
 
@@ -289,9 +307,9 @@ def pull(label, sizes, anchors, spread):
     # tau_beta.
     k, most = next((k, n) for k, n in zip(sizes, fewest)
                    if n >= 0.99 * anchors or k == sizes[-1])
-    return (f"{label} at K = {sizes[0]}, tau_beta = {tau}: "
-            f"{spread[tau][0]:.0f} of {anchors} anchors carry the "
-            f"pull; from K = {k}, {most:.0f} or more")
+    return (f"{label}: evaluated at K = {sizes[0]}, tau_beta = "
+            f"{tau}, {spread[tau][0]:.0f} of {anchors} anchors "
+            f"carry the pull; from K = {k}, {most:.0f} or more")
 
 
 def dt_figure(runs):
@@ -311,11 +329,15 @@ def dt_figure(runs):
         label = f"{name(run)} (--method {args.method})"
         ax.set(ylabel=f"exp(H(r_+)), of {anchors} anchors",
                title=label)
-        lines.append(pull(label, sizes, anchors, spread))
+        how = trained(run, args, "tau_beta")
+        lines.append(pull(f"{label}, {how}", sizes, anchors,
+                          spread))
         saved[name(run)] = dict(dictionary_sizes=sizes,
                                 anchors=anchors,
                                 normalised_entropy=entropy,
                                 effective_anchors=spread)
+    lines.append("Each network evaluated at every K and tau_beta; "
+                 "networks trained at other values not shown")
     caption(fig, lines)
     return fig, saved
 
@@ -356,8 +378,9 @@ def gsg_figure(runs):
             saved[name(run)][key] = points
         trends = [f"{key} {trend(points)}"
                   for key, points in saved[name(run)].items()]
+        epochs = f"{points[-1][0]} epochs"
         (fig5 if alone else fig4).append(
-            f"{name(run)} " + ", ".join(trends))
+            f"{name(run)}, {epochs}: " + ", ".join(trends))
     # proj_std 0: all projections the same, a full collapse.
     axes[2].set_ylim(bottom=0)
     lines = ["Fig. 4 (one seed each): " + "; ".join(fig4)]
@@ -368,6 +391,11 @@ def gsg_figure(runs):
         lines.append(f"proj_std: 0 if all projections coincide, "
                      f"about 1/sqrt({dim}) = {dim ** -0.5:.3f} "
                      f"if they spread")
+        # What a short run can show of Fig. 5's collapse.
+        lines.append("A collapse begins as proj_std falls; kNN "
+                     "falls to chance later: GSG Sec. 6.2 runs "
+                     "CIFAR-10 up to 400 epochs \"to confirm "
+                     "complete collapse\"")
     caption(fig, lines)
     return fig, saved
 
@@ -411,9 +439,9 @@ def untrained(args):
             print(f"  {n:<5} {v.mean():.4f}  {cv:.4f}  "
                   f"{1 - 1 / (2 * n - 1):.4f}")
         print("A positive no closer than the 2N - 2 negatives gives "
-              "q_B = 1 - 1/(2N - 1). Trained (--train),\npositives "
-              "lie closer: q_B falls below that and spreads, the "
-              "most at small N.")
+              "q_B = 1 - 1/(2N - 1). Trained once at\nbatch 32 "
+              "(--train), positives lie closer: at each N, q_B falls "
+              "below that and spreads,\nthe most at small N.")
     else:
         _, sizes, a, entropy = entropy_by_dictionary(run)
         print(f"exp(H(r_+)) / {a}, the share of {a} anchors that "
@@ -425,16 +453,15 @@ def untrained(args):
                 f"{a ** h / a:6.3f}" for h in row))
         print("A positive about as close as the K negatives gives "
               "every W_i = 1 - p_+ about K / (K + 1):\nthe anchors "
-              "pull alike. Trained (--train), some positives are "
-              "easy (W_i near 0 at a low\ntau_beta): at a small K "
-              "far fewer anchors carry the pull.")
+              "pull alike. Trained once at tau_beta 1.0 (--train), "
+              "some positives are easy:\nat a small K and a low "
+              "tau_beta, far fewer anchors carry the pull.")
     if Figure is None:
         print(DRAW)
         return
     fig, saved = FIGURES[args.figure]([run])
     fig.suptitle(f"{run}.py's network untrained: not a trained "
                  f"figure")
-    fig.set_figwidth(max(fig.get_figwidth(), 8))  # the caption
     save(fig, saved, args.out, f"{args.figure}-untrained")
 
 

@@ -1,8 +1,9 @@
 """benchmarks/figures.py: each paper's figure drawn from small run folders made here (width 4,
 256 texture images, 1-2 epochs), its numbers those of the functions training uses: DCL Fig. 1
 (mean q_B rises with the batch size), DT Fig. 3 (the normalised entropy of r_+ rises with the
-dictionary size), GSG Figs. 4, 5 (a point per epoch per run), the training curves, the one
-command that trains and draws, --untrained's numbers, and where the figures go by default."""
+dictionary size), GSG Figs. 4, 5 (a point per epoch per run), each caption saying how its
+networks were trained and what was only evaluated, the training curves, the one command that
+trains and draws, --untrained's numbers, and where the figures go by default."""
 import json
 import math
 import os
@@ -19,6 +20,7 @@ from helpers import ROOT, run_script
 # saying so, and the rest of the suite runs.
 pytest.importorskip("matplotlib", reason="pip install -r benchmarks/requirements.txt")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import compare  # noqa: E402
 import figures  # noqa: E402
 
 TINY = ["--dataset", "textures", "--limit-train", "256", "--width", "4", "--batch-size", "32",
@@ -94,7 +96,8 @@ def test_dcl_fig1_mean_npc_multiplier_rises_with_the_batch_size(runs, tmp_path, 
 def test_dcl_fig1_at_its_real_size(runs):
     """q_B on a linear axis up to its bound 1; <q_B> on an axis from 0 to 1 and C_v on one from
     0; the batch size N doubles along a log-2 axis; the caption gives <q_B> and C_v at the
-    smallest and the largest N."""
+    smallest and the largest N, and says that one network, trained at one batch size, is only
+    evaluated at each N, the paper's protocol in its words (DCL Fig. 1(b))."""
     fig, saved = figures.dcl_figure([runs["simclr-infonce"]])
     print(fig.get_supxlabel())
     histogram, mean, cv = fig.axes
@@ -103,8 +106,12 @@ def test_dcl_fig1_at_its_real_size(runs):
     assert histogram.get_xlim()[1] >= 1
     assert mean.get_ylim() == (0, 1) and cv.get_ylim()[0] == 0
     rows = saved["simclr-infonce"]["batch_sizes"]
-    assert (f"<q_B> {rows[32]['mean']:.3f} -> {rows[256]['mean']:.3f}, "
-            f"C_v {rows[32]['cv']:.3f} -> {rows[256]['cv']:.4f}") in fig.get_supxlabel()
+    caption = fig.get_supxlabel().replace("\n", " ")
+    assert (f"simclr-infonce (--loss infonce), trained once with --batch-size 32 --epochs 1: "
+            f"from N = 32 to 256, <q_B> {rows[32]['mean']:.3f} -> {rows[256]['mean']:.3f}, "
+            f"C_v {rows[32]['cv']:.3f} -> {rows[256]['cv']:.4f}") in caption
+    assert ('Each network evaluated at every N, as DCL Fig. 1(b) evaluates "a pre-trained SimCLR '
+            'baseline model"; networks trained at other N not shown') in caption
 
 
 def test_dt_fig3_entropy_of_r_plus_rises_with_the_dictionary_size(runs, tmp_path, monkeypatch):
@@ -132,7 +139,8 @@ def test_dt_fig3_effective_anchors_on_a_linear_axis_from_0(runs, monkeypatch):
     """exp(H(r_+)), the number of anchors that would carry the pull if they carried it equally
     (A = 128 at most), against K: a linear axis from 0 to at least A, each point exp of
     anchor_weight_stats's entropy, A ** the JSON's H(r_+) / log A; the caption gives the
-    fewest."""
+    fewest, and says that the network, trained at one batch size and tau_beta, is only evaluated
+    at each K and tau_beta."""
     stats = spy(monkeypatch, moco_simmoco_simco, "anchor_weight_stats")
     fig, saved = figures.dt_figure([runs["mocov2"]])
     print(fig.get_supxlabel())
@@ -146,8 +154,13 @@ def test_dt_fig3_effective_anchors_on_a_linear_axis_from_0(runs, monkeypatch):
     entropy = [h for row in run["normalised_entropy"].values() for h in row]
     assert plotted == pytest.approx([128 ** h for h in entropy], rel=1e-9)
     assert plotted == [y for row in run["effective_anchors"].values() for y in row]
-    assert f"{min(plotted):.0f}" in fig.get_supxlabel()
-    assert "of 128 anchors" in fig.get_supxlabel()
+    caption = fig.get_supxlabel().replace("\n", " ")
+    assert f"{min(plotted):.0f}" in caption and "of 128 anchors" in caption
+    # MoCo v2 trains at tau_beta = tau_alpha, 0.1: InfoNCE.
+    assert ("mocov2 (--method mocov2), trained once with --batch-size 32 --epochs 1 "
+            "--tau-beta 0.1: " in caption)
+    assert ("Each network evaluated at every K and tau_beta; networks trained at other values "
+            "not shown") in caption
 
 
 def test_gsg_figs4_5_one_point_per_epoch_per_run(runs, tmp_path):
@@ -168,7 +181,8 @@ def test_gsg_figs4_5_one_point_per_epoch_per_run(runs, tmp_path):
 
 def test_gsg_figs4_5_axes_from_0_and_values_in_the_caption(runs):
     """kNN top-1 on axes from 0 to 100 %, proj_std on one from 0 (all projections the same) to
-    near its highest value, all linear; the caption gives each run's first and last values."""
+    near its highest value, all linear; the caption gives each run's epochs, first and last
+    values, and what a short run can show of a collapse (proj_std falling before kNN)."""
     guided, alone = runs["simsiam-guided"], runs["simsiam-guided-no-predictor"]
     fig, saved = figures.gsg_figure([guided, alone])
     print(fig.get_supxlabel())
@@ -177,11 +191,28 @@ def test_gsg_figs4_5_axes_from_0_and_values_in_the_caption(runs):
     assert knn.get_ylim() == (0, 100)
     assert knn_alone.get_ylim() == (0, 100)
     highest = max(value for _, value in saved[os.path.basename(alone)]["proj_std"])
+    caption = fig.get_supxlabel().replace("\n", " ")
     assert proj_std.get_ylim()[0] == 0 and proj_std.get_ylim()[1] < 1.5 * highest
     for run in saved.values():
         for key, points in run.items():
             first, last = points[0][1], points[-1][1]
-            assert f"{key} {first:.3g} -> {last:.3g}" in fig.get_supxlabel()
+            assert f"{key} {first:.3g} -> {last:.3g}" in caption
+    assert "simsiam-guided, 2 epochs: knn_top1" in caption
+    assert "simsiam-guided-no-predictor, 2 epochs: knn_top1" in caption
+    assert ('A collapse begins as proj_std falls; kNN falls to chance later: GSG Sec. 6.2 runs '
+            'CIFAR-10 up to 400 epochs "to confirm complete collapse"') in caption
+
+
+def test_gsg_train_gives_the_runs_without_a_predictor_more_epochs():
+    """`gsg --train`: compare.py gives the runs without a predictor 12 epochs, as many as a
+    collapse's onset (proj_std falling) needs at this scale, and the others 5 (the untrained row
+    0), each the last --epochs of its command."""
+    variants, options = figures.TRAIN["gsg"]
+    args = compare.parse_args(["--variants", *variants, *figures.QUICK, *options])
+    epochs = {job["name"]: compare.values(job["command"])["--epochs"]
+              for job in compare.runs(args)}
+    assert epochs == {"untrained-simsiam_byol_gsg": "0", **{
+        name: "12" if name.endswith("no-predictor") else "5" for name in variants}}
 
 
 def test_training_curves_of_runs_side_by_side(runs, tmp_path):
@@ -192,6 +223,7 @@ def test_training_curves_of_runs_side_by_side(runs, tmp_path):
     assert {"loss", "lr", "knn_top1", "npc_mean", "npc_cv", "w_alpha", "w_beta",
             "r_plus_entropy", "proj_std"} <= saved.keys()
     assert not saved.keys() & figures.SKIP
+    assert "anchors" not in saved  # a count per step, the same each epoch: no curve
     assert set(saved["loss"]) == set(runs) and set(saved["npc_mean"]) == {"simclr-infonce"}
     for name, run in runs.items():
         assert saved["loss"][name] == [[line["epoch"], line["loss"]] for line in metrics(run)]
@@ -244,12 +276,16 @@ def test_untrained_prints_each_papers_quantity_by_the_training_functions(tmp_pat
     generated textures, no run folder. DCL: a row per batch size N, <q_B> and C_v of
     npc_multiplier's q_B (2N anchors a batch), <q_B> at 1 - 1/(2N - 1) within 0.001 as its note
     says (a positive no closer than the negatives); DT: a row per tau_beta, exp(H(r_+)) / A of
-    anchor_weight_stats's H at each K. Each draws its figure into --out; without matplotlib it
-    prints the numbers alone, and says how to draw them."""
+    anchor_weight_stats's H at each K. Each draws its figure into --out, its caption (printed)
+    naming the network untrained; without matplotlib it prints the numbers alone, and says how
+    to draw them."""
     q = spy(monkeypatch, simclr_dcl, "npc_multiplier")
     stats = spy(monkeypatch, moco_simmoco_simco, "anchor_weight_stats")
     figures.main(["dcl", "--untrained", "--out", str(tmp_path)])
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out
+    assert "simclr_dcl (--loss dcl), untrained: from N = 32 to 1024" in out
+    assert "trained once with" not in out
+    rows = [line.split() for line in out.splitlines()
             if line.startswith("  ") and line.split()[0].isdigit()]
     assert [int(row[0]) for row in rows] == list(figures.SIZES)
     first = 0

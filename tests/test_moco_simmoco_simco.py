@@ -514,6 +514,7 @@ def check_mss_run_folder(out, method, world=1):
     anchors = args["batch_size"] * (2 if method == "simco" or args["symmetric"] else 1)
     for line in lines:  # W = 1 - p_+ in (0, 1); H(r_+) at most log(anchors of one step)
         assert 0 < line["w_alpha"] < 1 and 0 < line["w_beta"] < 1
+        assert line["anchors"] == anchors  # the anchors H(r_+) is over, a step
         assert 0 < line["r_plus_entropy"] <= math.log(anchors) + 1e-6
         assert 0 < line["r_plus_share"] <= 1 + 1e-6
     checkpoint = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)
