@@ -98,7 +98,7 @@ def rebuild(run, n):
         state = {"model": None}
     else:
         recorded = config(run)
-        script = importlib.import_module(recorded["script"])
+        script = importlib.import_module(recorded["args"]["script"])
         # The recorded options; a figure's few thousand views need
         # no GPU.
         args = argparse.Namespace(

@@ -490,7 +490,7 @@ def test_runs_started_in_the_same_second_get_their_own_default_folders(tmp_path)
 
     code = ("import time; time.strftime = lambda *a: '20260101-000000'; import common, "
             f"{HARNESS} as harness; args = harness.parse_args(['--device', 'cpu']); "
-            "print(common.setup(args).out)")
+            "common.setup(args); print(args.out)")
     runs = [subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=_env(),
                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [run.communicate(timeout=120)[0].strip() for run in runs]

@@ -209,7 +209,7 @@ def test_gsg_train_gives_the_runs_without_a_predictor_more_epochs():
     0), each the last --epochs of its command."""
     variants, options = figures.TRAIN["gsg"]
     args = compare.parse_args(["--variants", *variants, *figures.QUICK, *options])
-    epochs = {job["name"]: compare.values(job["command"])["--epochs"]
+    epochs = {job["name"]: compare.values(job["commands"]["results.json"])["--epochs"]
               for job in compare.runs(args)}
     assert epochs == {"untrained-simsiam_byol_gsg": "0", **{
         name: "12" if name.endswith("no-predictor") else "5" for name in variants}}
@@ -240,7 +240,7 @@ def test_one_command_trains_and_draws(trained):
         "simclr-infonce": "infonce", "simclr-dcl": "dcl"}
     for name in saved:
         config = json.load(open(folder / name / "config.json"))
-        assert config["argv"][-len(TINY) - 2:-2] == TINY
+        assert config["args"]["argv"][-len(TINY) - 2:-2] == TINY
         assert len(metrics(folder / name)) == 1
     with pytest.raises(SystemExit):
         figures.parse_args(["curves", "--train"])

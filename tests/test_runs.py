@@ -242,7 +242,8 @@ def _worker_default_out():
     """This rank's run folder when the command line gives no --out."""
     
     args = harness.parse_args(["--device", "cpu", "--batch-size", "4"])
-    return common.setup(args).out
+    common.setup(args)
+    return args.out
 
 
 def test_every_rank_names_the_same_default_run_folder(tmp_path):
