@@ -245,7 +245,7 @@ def float32(t):
 class ResNet(nn.Module):
     """torchvision's ResNet-18/34/50 (its names) at any `width`, no
     fc: (B, 3, S, S) -> (B, out_dim). Up to 64 px the CIFAR stem, no
-    max-pool; DT and solo-learn pad it by 2."""
+    max-pool; the dual-temperature code and solo-learn pad it by 2."""
     LAYERS = {"resnet18": (BasicBlock, [2, 2, 2, 2]),
               "resnet34": (BasicBlock, [3, 4, 6, 3]),
               "resnet50": (Bottleneck, [3, 4, 6, 3])}
@@ -1191,7 +1191,8 @@ def open_run(args, ctx):
 
 
 def look_in(args):
-    """new, continue or finished; another command's run, refused."""
+    """new (config.json written), continue or finished; another
+    command's run, refused."""
     ours = json.loads(json.dumps(vars(args)))  # as config.json has it
     path = os.path.join(args.out, "config.json")
     if os.path.exists(path):
@@ -1303,7 +1304,7 @@ class Run:
     bookkeeping. `states`: what checkpoint.pt keeps, by name (None:
     a part this method lacks). `run.also`, which a method may set:
     the test split's features and labels -> more results beside
-    each kNN monitor (the DT file's online probes)."""
+    each kNN monitor (moco_simmoco_simco.py's online probes)."""
 
     def __init__(self, args, ctx, data, backbone, states):
         self.args = args

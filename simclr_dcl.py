@@ -189,8 +189,8 @@ def npc_multiplier(z1, z2, temperature=0.1):
 
 # ---------------------------------------- training step
 def train_step(net, optimizer, views, args, ctx):
-    """One SGD step on both views -> the loss and q_B of each
-    anchor (DCL Fig. 1's diagnostics)."""
+    """One SGD step on both views -> the mean loss and each
+    anchor's q_B (DCL Fig. 1's diagnostic)."""
     with ctx.autocast():
         # Both views in one forward pass, so BatchNorm's statistics
         # cover all 2B views: SimCLR's own convention
