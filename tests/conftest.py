@@ -4,9 +4,8 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(
-    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)  # `import common` under plain `pytest`
+# `import common` under plain `pytest`
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import helpers  # noqa: E402
 from helpers import tiny_image_folder  # noqa: E402

@@ -1,29 +1,31 @@
 """Helpers shared by the tests (and benchmarks/speed.py): which method files exist and how each
-runs small (QUICK_START, from the README), a script's main() run in this process with its
-train_step watched (run_main), generated ImageFolders, running the real scripts in a subprocess
-(plain python or torchrun), and running a test function in 2 gloo processes."""
+runs small (QUICK_START, from the README), main() run here with its train_step watched
+(run_main), generated ImageFolders, the real scripts in a subprocess (python or torchrun), a test
+function in 2 gloo processes, and checks of run folders."""
 
+import collections
 import contextlib
 import importlib
+import io
+import json
 import os
 import socket
 import subprocess
 import sys
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
-# Every method file, found by itself: each top-level .py but common.py
-# (a fifth method is in every structural test without a list to edit).
+# Every method file, found by itself: each top-level .py but common.py.
 METHODS = tuple(sorted(name[:-3] for name in os.listdir(ROOT)
                        if name.endswith(".py") and name != "common.py"))
 
 
 def quick_start():
-    """{method file: its options in the README's quick start}: T, then its line's own. This is
-    the one place that says how each method runs small: every test and benchmark of "each method"
-    reads it (tests/test_readme.py checks that every method file has its line)."""
+    """{method file: its options in the README's quick start}: T, then its line's own: the one
+    place that says how each method runs small, for every test and benchmark of "each method"."""
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         text = f.read()
     lines = text[text.index("## Quick start"):].splitlines()
@@ -59,11 +61,10 @@ class Stop(Exception):
 
 
 def run_main(module, argv, before=None, after=None, steps=None, data=None):
-    """module.main(argv) in this process as its user runs it, its train_step watched: before(i,
-    args, kwargs) may return other (args, kwargs) for the i-th call (from 1), after(i, args,
-    kwargs, result) sees it done; main ends after `steps` calls (None: when it ends). `data`, a
-    common.Data, stands in for the data set (common.load_data). The names are put back, and any
-    progress bar closed, after."""
+    """module.main(argv) in this process, its train_step watched: before(i, args, kwargs) may
+    return other (args, kwargs) for the i-th call (from 1), after(i, args, kwargs, result) sees it
+    done; main ends after `steps` calls (None: when it ends). `data`, a common.Data, stands in for
+    the data set. The names are put back, and any progress bar closed, after -> the calls."""
     import common
     from tqdm import tqdm
 
@@ -99,6 +100,18 @@ def run_main(module, argv, before=None, after=None, steps=None, data=None):
     return len(calls)
 
 
+class OpNames(TorchDispatchMode):
+    """The ops dispatched inside the block, counted by name (`aten.add`, `c10d.allreduce_`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def modules_of(args, kwargs):
     """The nn.Modules a train_step call was given (its networks, queue, support set)."""
     import torch.nn as nn
@@ -106,28 +119,20 @@ def modules_of(args, kwargs):
     return [v for v in [*args, *kwargs.values()] if isinstance(v, nn.Module)]
 
 
-class FailingWrites:
-    """A file that common.py opens for writing, whose write(data) calls `fail(file, data)`."""
+class FailingWrites(io.FileIO):
+    """A file that common.py opens for writing, whose write(data) calls `fail(write, data)` with
+    its real write."""
 
-    def __init__(self, file, fail):
-        self.file, self.fail = file, fail
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exception):
-        self.file.close()
-
-    def __getattr__(self, name):
-        return getattr(self.file, name)
+    def __init__(self, path, mode, fail):
+        super().__init__(path, mode)
+        self.fail = fail
 
     def write(self, data):
-        return self.fail(self.file, data)
+        return self.fail(super().write, data)
 
 
-def tiny_image_folder(
-    root, classes=3, train_per_class=24, val_per_class=6, height=20, width=24, seed=0
-):
+def tiny_image_folder(root, classes=3, train_per_class=24, val_per_class=6, height=20, width=24,
+                      seed=0):
     """Write DATA/{train,val}/class<c>/<i>.png: noisy images whose dominant colour is the class."""
     from torchvision.transforms.functional import to_pil_image
 
@@ -139,37 +144,16 @@ def tiny_image_folder(
             for i in range(count):
                 image = torch.rand(3, height, width, generator=generator) * 90
                 image[c % 3] += 150
-                to_pil_image(image.clamp(0, 255).to(torch.uint8)).save(
-                    os.path.join(folder, f"{i}.png")
-                )
+                image = to_pil_image(image.clamp(0, 255).to(torch.uint8))
+                image.save(os.path.join(folder, f"{i}.png"))
     return root
 
 
 def smoke_args(data_dir, out, *extra):
     """The tiny-CPU option set: width 8, 16 px images, small batch, a short linear probe."""
-    return [
-        "--dataset",
-        "imagefolder",
-        "--data-dir",
-        str(data_dir),
-        "--image-size",
-        "16",
-        "--width",
-        "8",
-        "--epochs",
-        "1",
-        "--batch-size",
-        "16",
-        "--device",
-        "cpu",
-        "--linear-epochs",
-        "2",
-        "--workers",
-        "0",
-        "--out",
-        str(out),
-        *extra,
-    ]
+    return ["--dataset", "imagefolder", "--data-dir", str(data_dir), "--image-size", "16",
+            "--width", "8", "--epochs", "1", "--batch-size", "16", "--device", "cpu",
+            "--linear-epochs", "2", "--workers", "0", "--out", str(out), *extra]
 
 
 def free_port():
@@ -185,28 +169,26 @@ def _env():
     return env
 
 
-def torchrun(nproc):
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--master_port={free_port()}",
-        "--master_addr=127.0.0.1",
-    ]
+def torchrun(nproc, nodes=1, node=0, port=None):
+    """The torchrun launcher of `nproc` processes (node `node` of `nodes` on this machine, all
+    meeting at `port`; a free one by default)."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            f"--nnodes={nodes}", f"--node_rank={node}", f"--master_port={port or free_port()}",
+            "--master_addr=127.0.0.1"]
 
 
 def run_script(script, args, nproc=1, timeout=600):
     """Run ROOT/script as `python` (nproc=1) or under torchrun; returns the CompletedProcess."""
     launcher = [sys.executable] if nproc == 1 else torchrun(nproc)
-    return subprocess.run(
-        launcher + [os.path.join(ROOT, script), *map(str, args)],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return subprocess.run(launcher + [os.path.join(ROOT, script), *map(str, args)], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def run_ok(script, args, nproc=1):
+    """run_script, which must succeed: its output's end is the failure's message."""
+    done = run_script(script, args, nproc)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
 
 
 def run_distributed(module, function, tmp_path, *args, nproc=2, timeout=600):
@@ -215,17 +197,15 @@ def run_distributed(module, function, tmp_path, *args, nproc=2, timeout=600):
     out = os.path.join(str(tmp_path), f"{function}.result")
     worker = os.path.join(TESTS, "dist_worker.py")
     command = torchrun(nproc) + [worker, module, function, out, *map(str, args)]
-    done = subprocess.run(
-        command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
-    )
+    done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(nproc)]
 
 
 @contextlib.contextmanager
 def float64():
-    """Default dtype float64 inside the block (identities and 1-vs-2-process checks are exact
-    there)."""
+    """Default dtype float64 inside the block."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
@@ -236,8 +216,7 @@ def float64():
 
 def identity(name, left_name, left, right_name, right, rtol=1e-5, atol=1e-12):
     """A paper's identity, left == right (tensors) as torch.testing.assert_close holds it, its
-    two sides and their largest difference printed first: `pytest -s` shows the line, a failure
-    shows it too, and otherwise pytest keeps it."""
+    two sides and their largest difference printed first (`pytest -s` shows the line)."""
 
     def first(t):
         values = ", ".join(f"{v:.4g}" for v in t.flatten()[:3].tolist())
@@ -252,12 +231,9 @@ def identity(name, left_name, left, right_name, right, rtol=1e-5, atol=1e-12):
 def check_run_folder(out, epochs=None):
     """A finished run's folder: its files, one metrics line per epoch (rank 0 alone writes),
     the final kNN (k=200, k=1) and probe -> (config, metrics lines, results)."""
-    import json
-
     out = str(out)
-    assert {"config.json", "metrics.jsonl", "checkpoint.pt", "backbone.pt", "results.json"} <= set(
-        os.listdir(out)
-    )
+    files = {"config.json", "metrics.jsonl", "checkpoint.pt", "backbone.pt", "results.json"}
+    assert files <= set(os.listdir(out))
     config = json.load(open(os.path.join(out, "config.json")))
     lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     epochs = config["args"]["epochs"] if epochs is None else epochs
@@ -267,45 +243,48 @@ def check_run_folder(out, epochs=None):
     return config, lines, results
 
 
-def texture_image_folder(root, seed=0):
-    """common.texture_images(seed) written as DATA/{train,val}/<texture>/<i>.png (lossless: read
-    back, the images of --dataset textures --seed SEED, in ImageFolder's order)."""
-    from PIL import Image
-
-    import common
-
-    for split, (images, labels) in zip(("train", "val"), common.texture_images(seed)):
-        for name in common.TEXTURES:
-            os.makedirs(os.path.join(root, split, name), exist_ok=True)
-        for i, (image, label) in enumerate(zip(images.permute(0, 2, 3, 1).numpy(), labels)):
-            path = os.path.join(root, split, common.TEXTURES[label], f"{i}.png")
-            Image.fromarray(image).save(path)
-    return root
-
-
 def stop_in_epoch(epoch, argv, script=HARNESS):
     """SCRIPT's main(argv) stopped as epoch `epoch` (from 1) begins its first step (4 steps an
     epoch: the tiny folder's 72 images, batch 16), as a kill would stop it: the checkpoint of
-    epoch `epoch` - 1 kept. In this process: the script's train_step is put back after."""
-    module = importlib.import_module(script)
-    real = module.train_step
-    steps = []
-
-    def train_step(*args, **kwargs):
-        steps.append(1)
-        if len(steps) > (epoch - 1) * 4:
+    epoch `epoch` - 1 kept. In this process (run_main)."""
+    def before(step, args, kwargs):
+        if step > (epoch - 1) * 4:
             raise Stop
-        return real(*args, **kwargs)
 
-    module.train_step = train_step
-    try:
-        module.main(argv)
-    except Stop:
-        pass
-    else:
-        raise AssertionError(f"{script} ended before epoch {epoch}")
-    finally:
-        module.train_step = real
+    taken = run_main(importlib.import_module(script), argv, before=before)
+    assert taken > (epoch - 1) * 4, f"{script} ended before epoch {epoch}"
+
+
+def flat_tensors(state, prefix=""):
+    """{path: tensor} of every tensor in nested dicts, lists and tuples (a checkpoint's)."""
+    if torch.is_tensor(state):
+        return {prefix: state}
+    if not isinstance(state, (dict, list, tuple)):
+        return {}
+    items = state.items() if isinstance(state, dict) else enumerate(state)
+    return {k: t for key, v in items for k, t in flat_tensors(v, f"{prefix}/{key}").items()}
+
+
+def same_run(a, b):
+    """Two finished run folders alike: results.json (but the command's --out), backbone.pt's and
+    the last checkpoint's tensors, every epoch's loss."""
+    results = [json.loads((run / "results.json").read_text()) for run in (a, b)]
+    commands = [r.pop("command").split(" --out ") for r in results]
+    assert commands[0][0] == commands[1][0] and results[0] == results[1]
+    for name in ("backbone.pt", "checkpoint.pt"):
+        x = flat_tensors(torch.load(a / name, weights_only=True))
+        y = flat_tensors(torch.load(b / name, weights_only=True))
+        assert x.keys() == y.keys() and len(x) > 50, name
+        assert all(torch.equal(x[k], y[k]) for k in x), name
+    losses = [[json.loads(line)["loss"] for line in open(run / "metrics.jsonl")] for run in (a, b)]
+    assert losses[0] == losses[1] and len(losses[0]) == 2
+
+
+def ctx_for(rank=0, world=1, amp=False):
+    """The common.Context of rank `rank` of `world` processes on the CPU (local rank 0)."""
+    import common
+
+    return common.Context(rank, world, 0, torch.device("cpu"), amp)
 
 
 def harness_module():
@@ -315,7 +294,7 @@ def harness_module():
 
 def small_network(width=4, image_size=8, hidden=16, dim=8):
     """A ResNet-18 and a projector with batch norm (Linear-BN-ReLU-Linear), as the methods build
-    theirs: what common's tests train (LARS, the global BatchNorm, the probes)."""
+    theirs."""
     import torch.nn as nn
 
     import common

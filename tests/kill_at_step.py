@@ -1,6 +1,5 @@
 """`kill_at_step.py SCRIPT RANK CALL ARG...`: SCRIPT's main(ARGs) as its __main__ runs it, killed
-with SIGKILL (a scheduler's kill, a lost node) as rank RANK enters train_step for the CALL-th time
-(from 1); under torchrun too. Run again as `SCRIPT.py ARG...`, it is the same command."""
+with SIGKILL as rank RANK enters train_step for the CALL-th time (from 1); under torchrun too."""
 import importlib
 import os
 import signal

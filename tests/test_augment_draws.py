@@ -1,11 +1,8 @@
 """The draws behind the augmentation, read back from what each image comes out as: every image
 tosses its own coin for each op with the Recipe's probability, the jitter factors, hue shift,
 blur sigma and crop box cover their whole ranges, each epoch draws its own order and views, and
-a non-finite loss stops the run.
-
-Each op is isolated on an image that shows what it did (a constant colour shows grey, solarize,
-brightness and saturation; two greys show contrast; a bright dot shows the blur; coordinate ramps
-show the crop box and flip), with mean 0 and std 1 so the views are pixel values in [0, 1]."""
+a non-finite loss stops the run. Each op is isolated on an image that shows what it did, with
+mean 0 and std 1 so the views are pixel values in [0, 1]."""
 
 import math
 
@@ -13,9 +10,10 @@ import pytest
 import torch
 
 import common
-from common import Augment, Context, Recipe
+from common import Augment, Recipe
+from helpers import ctx_for
 
-ONE_PROCESS = Context(0, 1, 0, torch.device("cpu"), amp=False)
+ONE_PROCESS = ctx_for()
 BATCHES, BATCH = 8, 500  # 4,000 images a draw, in batches of 500
 # no crop, flip or colour: each test turns on the one op it reads
 NO_OPS = dict(crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), flip_p=0.0, jitter=(0, 0, 0, 0),
@@ -29,8 +27,8 @@ def only(**ops):
 
 def views(recipe, image, batches=BATCHES, batch=BATCH, seed=0):
     """`batches` views of `batch` copies of `image` (uint8 (3, S, S)), drawn one batch after the
-    other from one generator, as an epoch does -> float (batches, batch, 3, S, S) in [0, 1].
-    The copies go in pre-cropped (b, 1, 3, S, S) unless the recipe crops."""
+    other from one generator -> float (batches, batch, 3, S, S) in [0, 1]. The copies go in
+    pre-cropped (b, 1, 3, S, S) unless the recipe crops."""
     crops = recipe.crop_scale != (1.0, 1.0) or recipe.flip_p > 0
     x = image.expand(batch, *image.shape)
     x = x if crops else x.unsqueeze(1)
@@ -64,7 +62,7 @@ def assert_uniform_over(values, low, high):
     assert abs(below - n / 2) <= 4.5 * math.sqrt(n / 4), (below, n / 2)
 
 
-# ------------------------------------------------------------------ one coin per image and op
+# ---- one coin per image and op
 DOT = torch.zeros(3, 32, 32, dtype=torch.uint8)
 DOT[:, 16, 16] = 255  # a white dot on black: its centre dims when blurred (kernel 3 px at 32 px)
 LIGHT_BLUE = colour(60, 90, 120)  # brightened 1.4 times, still below 255: no clamping
@@ -98,15 +96,15 @@ COIN_OPS = {  # op -> (its recipe with probability p, an image that shows it, wh
                                    ("solarize", 0.3)])
 def test_each_image_tosses_its_own_coin_for_an_op_with_the_recipes_probability(op, p):
     """Over 8 batches of 500 copies of one image, the share that comes out with the op is its p,
-    and in every batch some copies have it and some do not (one coin per batch would give all or
-    none)."""
+    and in every batch some copies have it and some do not (torchvision.transforms.v2 on a batch
+    draws once for all)."""
     recipe, image, happened = COIN_OPS[op]
     assert_drawn_per_image_with_probability(happened(views(recipe(p), image)), p)
 
 
 def test_grey_and_solarize_coins_are_independent_and_new_each_batch():
-    """P(grey and solarized) = P(grey) P(solarized) = 1/4, and batch after batch the coins differ
-    (a coin drawn once and reused would grey and solarize the same images in every batch)."""
+    """P(grey and solarized) = P(grey) P(solarized) = 1/4, and batch after batch the coins
+    differ."""
     recipe = only(gray_p=0.5, solarize_p=0.5)
     v = views(recipe, colour(200, 150, 250))  # its grey, 176, is solarized too
     grey, solar = greyed(v), solarized(v)
@@ -116,10 +114,10 @@ def test_grey_and_solarize_coins_are_independent_and_new_each_batch():
     assert not (grey[0] == grey[1]).all() and not (solar[0] == solar[1]).all()
 
 
-# -------------------------------------------------------------------- the ranges of the draws
+# ---- the ranges of the draws
 def test_brightness_factor_is_uniform_on_both_sides_of_one():
-    """Brightness 0.4 scales a constant image by f ~ U(0.6, 1.4) (ColorJitter's range); the 20%
-    not jittered (jitter_p 0.8) keep f = 1."""
+    """Brightness 0.4 scales a constant image by f ~ U(0.6, 1.4); the 20% not jittered keep
+    f = 1."""
     v = views(only(jitter=(0.4, 0, 0, 0), jitter_p=0.8), LIGHT_BLUE)
     f = (v[:, :, :, 0, 0] / (LIGHT_BLUE[:, 0, 0].float() / 255)).flatten(0, 1)  # (n, 3)
     assert torch.allclose(f, f[:, :1].expand_as(f), atol=1e-5)  # one factor for the 3 channels
@@ -150,8 +148,8 @@ def test_saturation_factor_is_uniform_on_both_sides_of_one():
 
 def test_jitter_factors_above_strength_one_are_clipped_at_zero_as_torchvision():
     """Strength 1.5 draws f ~ U(max(0, 1 - 1.5), 1 + 1.5) = U(0, 2.5), as torchvision's
-    ColorJitter clips its range at 0 (issue 28): never negative. Read from contrast (two greys)
-    and brightness (a dark red channel, 2.5 times 60 still below 255)."""
+    ColorJitter clips its range at 0: never negative. Read from contrast (two greys) and
+    brightness (a dark red channel, 2.5 times 60 still below 255)."""
     image = colour(80, 80, 80, size=8)
     image[:, 4:] = 120
     v = views(only(jitter=(0, 1.5, 0, 0), jitter_p=1.0), image)
@@ -170,9 +168,8 @@ def test_hue_shift_is_uniform_over_both_directions():
 
 
 def test_blur_sigma_is_uniform_over_its_range():
-    """A dot blurred with sigma ~ U(0.5, 2.0) keeps a share of its light at its centre between
-    what gaussian_blur keeps at sigma 0.5 and at 2.0; reading sigma back through gaussian_blur
-    on a fine grid of sigmas gives a uniform draw over the range."""
+    """Sigma read back from a blurred dot's centre (through gaussian_blur on a fine grid of
+    sigmas) is uniform over (0.5, 2.0)."""
     v = views(only(blur_p=1.0, blur_sigma=(0.5, 2.0)), DOT)
     centre = v[:, :, 0, 16, 16].flatten()
     grid = torch.linspace(0.45, 2.05, 1601)
@@ -201,9 +198,8 @@ def crop_widths_heights_flips(v):
 @pytest.mark.parametrize("flip_p", [0.0, 0.3])
 def test_crop_box_honours_scale_and_ratio_and_mirrors_with_flip_p(flip_p):
     """Augment's crops of a 32 x 32 image with crop_scale (0.25, 0.5) and crop_ratio (1/2, 1)
-    have areas of 25-50% of the image and widths of 1/2 to 1 times their heights, reaching both
-    ends (w and h are whole pixels, so both move a little past the range); each image is
-    mirrored with probability flip_p."""
+    cover both ranges, end to end (w and h are whole pixels, so both move a little past them);
+    each image is mirrored with probability flip_p."""
     recipe = only(crop_scale=(0.25, 0.5), crop_ratio=(1 / 2, 1), flip_p=flip_p)
     w, h, flipped = crop_widths_heights_flips(views(recipe, RAMPS))
     assert torch.allclose(w, w.round(), atol=1e-3) and torch.allclose(h, h.round(), atol=1e-3)
@@ -215,7 +211,7 @@ def test_crop_box_honours_scale_and_ratio_and_mirrors_with_flip_p(flip_p):
     assert_drawn_per_image_with_probability(flipped.view(BATCHES, BATCH), flip_p)
 
 
-# ------------------------------------------------------------------------ draws epoch by epoch
+# ---- draws epoch by epoch
 def held_data(n=64, size=8):
     """A held train set whose label is the image's index, so a batch's labels are its order."""
     images = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8,
@@ -227,8 +223,7 @@ def held_data(n=64, size=8):
 
 def epoch_draws(seed, epoch):
     """(seed, epoch) -> the epoch's order of the train set (its batches' labels) and its two
-    views of the same 16 images (the train set's first), so that views that differ come from
-    other draws, not other images."""
+    views of the train set's first 16 images."""
     data = held_data()
     order, generator = common.epoch_generators(seed, epoch)
     labels = torch.cat([labels for _, labels in common.train_batches(data, 16, order, ONE_PROCESS)])
@@ -238,7 +233,7 @@ def epoch_draws(seed, epoch):
 
 def test_each_epoch_draws_its_own_order_and_views_and_the_same_epoch_the_same_ones():
     """A resumed epoch draws as the uninterrupted one did; another epoch, or another seed, draws
-    another order of the data and other crops and colours."""
+    another order and other views."""
     order, augmented = epoch_draws(seed=0, epoch=3)
     assert sorted(order.tolist()) == list(range(64))  # each image once
     again_order, again_augmented = epoch_draws(seed=0, epoch=3)
@@ -252,9 +247,8 @@ def test_each_epoch_draws_its_own_order_and_views_and_the_same_epoch_the_same_on
 
 def test_no_two_generators_of_a_run_share_a_stream():
     """Over 50 epochs the order and augmentation generators of every epoch start with draws of
-    their own (an epoch's augmentation must not replay another epoch's order draws). Both are
-    the CPU's, whatever the device: a GPU's torch.rand lays out a large draw by its number of
-    SMs, so views drawn there would differ from one GPU model to another."""
+    their own. Both are the CPU's, whatever the device (a GPU's torch.rand lays out a large draw
+    by its number of SMs)."""
     firsts = []
     for epoch in range(50):
         for generator in common.epoch_generators(0, epoch):
@@ -264,11 +258,10 @@ def test_no_two_generators_of_a_run_share_a_stream():
 
 
 def test_no_call_reseeds_a_generator_it_does_not_put_back(tmp_path, monkeypatch):
-    """A streamed image's crops (seeded by the epoch's seed and the image) and a linear probe's
-    initial weights (seeded by --seed) come from a seeded CPU generator inside fork_rng(devices=[]),
-    which puts back the CPU's generator only: torch.manual_seed would reseed every GPU's default
-    generator too (torch.cuda.manual_seed_all), for good. The weights are those torch.manual_seed
-    gave, and the crops the same for the same seed and image."""
+    """A streamed image's crops and a linear probe's initial weights come from a seeded CPU
+    generator inside fork_rng(devices=[]), which puts back the CPU's generator only
+    (torch.manual_seed would reseed every GPU's too, for good): the weights those
+    torch.manual_seed gave, the crops the same for the same seed and image."""
     from PIL import Image
 
     Image.new("RGB", (24, 20), (200, 30, 60)).save(tmp_path / "image.png")
@@ -287,7 +280,7 @@ def test_no_call_reseeds_a_generator_it_does_not_put_back(tmp_path, monkeypatch)
     assert torch.equal(layer.weight, expected.weight) and torch.equal(layer.bias, expected.bias)
 
 
-# ------------------------------------------------------------------------------ the epoch log
+# ---- the epoch log
 def bare_run(epochs_done):
     """A Run with only what check_finite reads: the epochs done."""
     run = object.__new__(common.Run)
@@ -321,10 +314,8 @@ def test_a_finite_loss_goes_on():
 
 @pytest.mark.parametrize("default", [torch.float64, torch.bfloat16])
 def test_the_views_do_not_depend_on_the_default_dtype(default):
-    """Issue 44: a student checking an identity in float64 sets
-    torch.set_default_dtype; Augment (every op on) draws in float32
-    whatever the default and gives the same float32 views. Seen
-    failing: torch.lerp raised on a double `end`."""
+    """A student checking an identity in float64 sets the default dtype; Augment (every op on)
+    draws in float32 whatever the default and gives the same float32 views."""
     recipe = Recipe(jitter_p=1.0, gray_p=0.5, blur_p=0.5, solarize_p=0.5)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (6, 3, 12, 12), dtype=torch.uint8, generator=g)
@@ -344,21 +335,16 @@ def test_the_views_do_not_depend_on_the_default_dtype(default):
 @pytest.mark.parametrize("dtype, atol", [(torch.float64, 1e-5), (torch.float16, 1e-2),
                                          (torch.bfloat16, 8e-2)])
 def test_each_op_keeps_its_images_dtype(dtype, atol):
-    """Issue 44: the colour jitter (hue included), the blur and the
-    crop take float images of any precision, with factors drawn in
-    float32, and return that dtype, within a few of its roundings
-    of the float32 result at hue's scale, 6 (measured: float16
-    5.3e-3, bfloat16 5.0e-2, float64 6.6e-7). Seen failing:
-    lerp and conv2d refused the mix; float16's hue divided by a
-    1e-12 rounded to 0."""
+    """The colour jitter (hue included), the blur and the crop take float images of any precision,
+    with factors drawn in float32, and return that dtype, within a few of its roundings of the
+    float32 result at hue's scale, 6 (measured: float16 5.3e-3, bfloat16 5.0e-2, float64
+    6.6e-7)."""
     g = torch.Generator().manual_seed(0)
     x = torch.rand(6, 3, 12, 12, generator=g)
     f = torch.rand(6, generator=g) + 0.5  # (6,)
-    ops = {
-        "jitter": lambda x: common.colour_jitter(x, f, f, f, f - 1),
-        "blur": lambda x: common.gaussian_blur(x, f, 5),
-        "crop": lambda x: common.resized_crop_flip(
-            x, f, f, 2 * f + 4, 3 * f + 4, f > 1, 8)}
+    ops = {"jitter": lambda x: common.colour_jitter(x, f, f, f, f - 1),
+           "blur": lambda x: common.gaussian_blur(x, f, 5),
+           "crop": lambda x: common.resized_crop_flip(x, f, f, 2 * f + 4, 3 * f + 4, f > 1, 8)}
     for name, op in ops.items():
         y = op(x.to(dtype))
         assert y.dtype == dtype, name

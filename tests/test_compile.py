@@ -1,10 +1,8 @@
-"""--compile compiles the network and common.Augment (the lines in each main(); the losses stay
-eager, as written). Here, on the CPU, the augmentation torch.compile (inductor, dynamic=False)
-makes equals the eager one within TOLERANCE, at tiny sizes, for each method file's recipes (its
-README quick start's). Each compile costs tens of seconds of CPU, most of it in the C++ compiler,
+"""--compile compiles the network and common.Augment (the losses stay eager). Here, on the CPU, the
+augmentation torch.compile (inductor, dynamic=False) makes equals the eager one within TOLERANCE,
+at tiny sizes, for each method file's quick-start recipes. A compile costs tens of seconds of CPU,
 so a method file whose recipes use only ops another's compiled recipes ran is covered by that
-compile (today NNCLR's, with solarize, covers SimCLR's, MoCo's and GSG's four views). Dynamo's
-caches are reset after the file: no compiled function is left to a later test."""
+compile. Dynamo's caches are reset after the file."""
 import functools
 import importlib
 
@@ -12,9 +10,9 @@ import pytest
 import torch
 
 import common
-from helpers import QUICK_START
+from helpers import QUICK_START, ctx_for
 
-CPU = common.Context(0, 1, 0, torch.device("cpu"), False)
+CPU = ctx_for()
 # Absolute, on normalised views (std 0.25 here). Measured: 1.7e-6 (a float32 rounding of a pixel,
 # times 4); a crop box or a coin that came out otherwise would differ by whole pixels.
 TOLERANCE = 1e-5
@@ -27,7 +25,7 @@ def reset_dynamo():
 
 
 def recipes(method):
-    """The method file's recipes at its quick start's image size, and their augmentation."""
+    """The method file's recipes at its quick start's image size."""
     module = importlib.import_module(method)
     args = module.parse_args([*QUICK_START[method], "--out", "/nonexistent"])
     args.image_size = 20  # --dataset textures
@@ -46,17 +44,15 @@ def ops(method):
 
 
 def compiled_by(method):
-    """The method file whose compile covers `method`'s ops: of those with the most ops, the
-    first whose ops include them."""
+    """The method file whose compile covers `method`'s ops: the first, most ops first."""
     by_size = sorted(QUICK_START, key=lambda m: (-len(ops(m)), m))
     return next(m for m in by_size if ops(method) <= ops(m))
 
 
 @functools.lru_cache(maxsize=None)
 def largest_difference(method):
-    """The views of 4 images of 10 px (8 px out) from the same generator seed, compiled and
-    eager: the uniforms are drawn eagerly (a graph break: the generator), every op after them
-    compiled -> max |compiled - eager|."""
+    """The views of 4 images of 10 px (8 px out) from the same generator seed, compiled (every op
+    after the draws) and eager -> max |compiled - eager|."""
     augment = common.Augment(recipes(method), 8, (0.5,) * 3, (0.25,) * 3, CPU)
     images = torch.randint(0, 256, (4, 3, 10, 10), dtype=torch.uint8,
                            generator=torch.Generator().manual_seed(0))
@@ -77,8 +73,7 @@ def test_compiled_augmentation_equals_eager_for_each_method_files_recipes(method
 def test_the_online_probe_leaves_the_compiled_network_one_graph():
     """moco_simmoco_simco.py under --compile with its online probes on (its default): the probes
     take the backbone's features from the encoder's output, so dynamo captures the network as one
-    graph, with no break and no second graph across steps (a forward hook that appended them to a
-    list, as the probe once had, broke the graph into two)."""
+    graph, with no break and no second graph across steps."""
     import moco_simmoco_simco as mss
     from torch._dynamo.testing import CompileCounter
 

@@ -2,24 +2,18 @@
 user runs it (its defaults' probes, MoCo v2's momentum probe, an authors' linear protocol,
 --compile, a continued run) and makes the host wait for nothing; a streamed image folder; the global
 BatchNorm's fused kernels are nn.BatchNorm's; 2 GPUs train as one. Skipped without CUDA; the
-2-process tests need 2 GPUs. The method files are the README's quick start's
-(helpers.QUICK_START), each made tiny (helpers.tiny). The GPU check runs this file in three parts
-(the global BatchNorm's tests first, the compile tests, named "compiled", last) beside
-benchmarks/speed.py:
+2-process tests need 2 GPUs. The GPU check, `bash benchmarks/gpu_check.sh LOGS`, runs this file in
+three parts (the global BatchNorm's tests first, the compile tests, named "compiled", last).
 
-    bash benchmarks/gpu_check.sh LOGS
-
-The step's comparison: each method's main() on the CPU (float32) and on CUDA (float32, which
-common.setup keeps free of TF32; or bf16 autocast), its first train_step given the same views
-(the CPU's) from the same weights (built from --seed on the CPU, then moved), the same labels,
-GSG pairs and queue. Compared: the loss and each module's update (after - before), |delta -
-delta_cpu| / |delta_cpu| over its parameters and over its buffers; integer buffers (queue
-pointers, labels, step counts) must be equal. Tolerances (relative; the loss's absolute below 1)
-were set from CPU measurements (ResNet-18 w16, batch 64, 32 px, at 94f9159): in float32 another
-convolution algorithm moved the loss by <= 1.1e-6 and updates by <= 1.1e-2 (the rounding of
-another summation order grows through the backward pass); under bf16 autocast updates moved by
-<= 0.68 (NNCLR: neighbours change), so bf16's update bound only catches an update lost, doubled
-or reversed, and its loss bound is 3e-2 (NNCLR's loss moved by 1.4e-2).
+The step's comparison: each method's main() on the CPU (float32) and on CUDA (float32 without
+TF32, or bf16 autocast), its first train_step given the CPU's views from the same weights, labels,
+GSG pairs and queue: the loss and each module's update (after - before), |delta - delta_cpu| /
+|delta_cpu| over its parameters and over its buffers; integer buffers must be equal. TOLERANCES
+(relative; the loss's absolute below 1) come from CPU measurements (ResNet-18 w16, batch 64, 32
+px): in float32 another convolution algorithm moved the loss by <= 1.1e-6 and updates by <=
+1.1e-2; under bf16 autocast updates moved by <= 0.68 (NNCLR: neighbours change), so bf16's update
+bound only catches an update lost, doubled or reversed, and its loss bound is 3e-2 (NNCLR's loss
+moved by 1.4e-2).
 """
 import os
 import sys
@@ -30,8 +24,8 @@ import torch
 import torch.nn as nn
 
 import common
-from helpers import (QUICK_START, ROOT, check_run_folder, run_distributed,
-                     run_main, run_script, smoke_args, stop_in_epoch, tiny)
+from helpers import (QUICK_START, ROOT, check_run_folder, run_distributed, run_main, run_ok,
+                     smoke_args, stop_in_epoch, tiny)
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import speed  # noqa: E402
@@ -134,9 +128,8 @@ def test_the_cuda_step_is_the_cpu_step(method, precision, tmp_path):
 
 
 def count_syncs(method, argv, tmp_path):
-    """The method's main() on CUDA with the progress bar on (as on a terminal), the host-device
-    syncs counted from the end of its first train_step to the end of its fourth: the probes,
-    the meter and the bar, the schedule, the augmentation and train_step -> (syncs, steps)."""
+    """The method's main() on CUDA with the progress bar on, the host-device syncs counted from
+    the end of its first train_step to the end of its fourth -> (syncs, steps)."""
     caught = warnings.catch_warnings(record=True)
     seen = {}
 
@@ -170,9 +163,9 @@ SYNC_RUNS = {**{m: [m] for m in METHODS},
 @pytest.mark.rule("cuda")
 @pytest.mark.parametrize("run", SYNC_RUNS)
 def test_main_runs_on_cuda_and_its_steps_make_the_host_wait_for_nothing(run, tmp_path):
-    """The method's main() on CUDA, tiny, with its defaults' structure (the online probe on for
-    the dual-temperature file; MoCo v2 adds the momentum probe): steps 2 to 4 under
-    set_sync_debug_mode("warn") count no host sync; the run folder is whole."""
+    """The method's main() on CUDA, tiny, with its defaults' probes (MoCo v2 adds the momentum
+    probe): steps 2 to 4 under set_sync_debug_mode("warn") count no host sync; the run folder is
+    whole."""
     method, *more = SYNC_RUNS[run]
     argv = [*tiny(method, *more), "--device", "cuda"]
     syncs, steps = count_syncs(method, argv, tmp_path)
@@ -194,8 +187,7 @@ def close(compiled, eager):
 @pytest.mark.parametrize("method", METHODS)
 def test_compiled_main_equals_eager(method, tmp_path):
     """--compile (the network and the augmentation) for the method's tiny run of 2 epochs, float32:
-    each epoch's loss within 1e-3 of the eager run's (inductor's kernels round otherwise; a view
-    or a step gone wrong moves it far more)."""
+    each epoch's loss within 1e-3 of the eager run's (inductor's kernels round otherwise)."""
     argv = [*tiny(method), "--device", "cuda", "--no-amp"]
     eager = epoch_losses(method, argv, tmp_path, "eager")
     compiled = epoch_losses(method, [*argv, "--compile"], tmp_path, "compiled")
@@ -219,11 +211,9 @@ def test_a_streamed_image_folder_on_cuda(tiny_folder, tmp_path):
     evaluation's loader; the run folder; then linear_eval.py's moco probe on streamed crops."""
     out = tmp_path / "run"
     args = [*smoke_args(tiny_folder, out, "--workers", "2"), "--device", "cuda"]
-    done = run_script(f"{HARNESS}.py", args)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_ok(f"{HARNESS}.py", args)
     check_run_folder(out)
-    done = run_script("benchmarks/linear_eval.py", [out, "--protocol", "moco", "--epochs", "1"])
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_ok("benchmarks/linear_eval.py", [out, "--protocol", "moco", "--epochs", "1"])
     assert (out / "linear_moco.json").is_file()
 
 
@@ -234,8 +224,7 @@ def test_a_cuda_run_continues_on_cuda(tiny_folder, tmp_path):
     argv = [*smoke_args(tiny_folder, out, "--epochs", "2", "--linear-epochs", "0"),
             "--device", "cuda"]
     stop_in_epoch(2, argv, HARNESS)
-    done = run_script(f"{HARNESS}.py", argv)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_ok(f"{HARNESS}.py", argv)
     check_run_folder(out, epochs=2)
 
 
@@ -248,7 +237,7 @@ def test_the_scripts_float32_has_no_tf32():
     assert torch.backends.cudnn.conv.fp32_precision == "ieee"
 
 
-# ------------------------------------------------------------------------------ what a step meets
+# ---- what a step meets
 def augment_on(device):
     """common.Augment on `device` with every op on (crop, flip, jitter with hue, grey, blur,
     solarize), and a batch of uint8 images there."""
@@ -261,11 +250,9 @@ def augment_on(device):
 
 
 def test_the_augmentation_on_cuda_is_the_cpus_and_makes_the_host_wait_for_nothing():
-    """From the same CPU generator (common.epoch_generators': the draws are made on the CPU, so
-    alike on any GPU model, and copied from pinned memory), common.Augment's views on CUDA are
-    the CPU's within 1e-4 (bilinear sampling and the hue's divisions round differently),
-    channels_last, the same for the same seed; one call under set_sync_debug_mode("error")
-    makes the host wait for nothing."""
+    """From the same CPU generator, common.Augment's views on CUDA are the CPU's within 1e-4
+    (bilinear sampling and the hue's divisions round differently), channels_last, the same for
+    the same seed; one call under set_sync_debug_mode("error") makes the host wait for nothing."""
     cpu, images = augment_on("cpu")
     cuda, _ = augment_on("cuda")
     expected = cpu(images, common.epoch_generators(0, 0)[1])
@@ -285,21 +272,18 @@ def test_the_augmentation_on_cuda_is_the_cpus_and_makes_the_host_wait_for_nothin
     torch.cuda.synchronize()
 
 
-# ------------------------------------------------------------------------------ global BatchNorm
-# Not yet measured on a GPU. On the CPU, the fused path on stand-ins for the kernels against
-# nn.BatchNorm moved float32 outputs by <= 1e-6 and weight gradients (sums of hundreds) by
-# <= 1.1e-5; a bf16 output or input gradient may round to the next bf16 (8 bits: 3.9e-3
-# relative). The bounds: float32 1e-4; bf16 outputs and input gradients 1.6e-2 (4 roundings),
-# its float32 statistics and weight gradients 1e-3.
+# ---- global BatchNorm
+# Measured on the CPU's stand-ins for the kernels against nn.BatchNorm: float32 outputs <= 1e-6,
+# weight gradients <= 1.1e-5; a bf16 value may round to the next bf16 (3.9e-3 relative). The
+# bounds: float32 1e-4; bf16 outputs and input gradients 1.6e-2 (4 roundings), the rest 1e-3.
 BATCHNORM_TOLERANCES = {"float32": (1e-4, 1e-4), "bf16": (1.6e-2, 1e-3)}
 BATCHNORM_CASES = {"2d": (32, 16, 8, 8), "1d": (64, 16)}  # the global batch, channels 16
 
 
 def batchnorm_on_cuda(case, implementation, rank=0, world=1, bf16=False):
-    """A training pass of nn.BatchNorm2d/1d or common.GlobalBatchNorm (at world > 1 as
-    common.sync_batchnorm makes it) on rank's rows of a batch on this GPU, channels_last, bf16
-    (as a convolution gives it under autocast) or float32, and the backward of a weighted sum
-    -> CPU copies of the output, its gradients, the running statistics; the output's grad_fn."""
+    """A training pass of nn.BatchNorm2d/1d or common.GlobalBatchNorm on rank's rows of a batch on
+    this GPU, channels_last, bf16 or float32, and the backward of a weighted sum -> CPU copies of
+    the output, its gradients, the running statistics; the output's grad_fn."""
     shape = BATCHNORM_CASES[case]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=g) * 3 + 2
@@ -329,11 +313,10 @@ def batchnorm_on_cuda(case, implementation, rank=0, world=1, bf16=False):
 @pytest.mark.parametrize("precision", ["float32", "bf16"])
 @pytest.mark.parametrize("case", BATCHNORM_CASES)
 def test_the_global_batchnorms_cuda_path_at_one_process_is_nn_batchnorm(case, precision):
-    """common.GlobalBatchNorm on CUDA at a world of 1 runs its fused path (torch's kernels:
-    batch_norm_stats, batch_norm_gather_stats_with_counts, batch_norm_elemt and the backward
-    pair) and gives nn.BatchNorm's output, of the same dtype, its input, weight and bias
-    gradients and its running statistics within BATCHNORM_TOLERANCES (absolute and relative);
-    in float32 and for a bf16 input under bf16 autocast."""
+    """common.GlobalBatchNorm on CUDA at a world of 1 runs its fused path (torch's kernels) and
+    gives nn.BatchNorm's output, of the same dtype, its input, weight and bias gradients and its
+    running statistics within BATCHNORM_TOLERANCES; in float32 and for a bf16 input under bf16
+    autocast."""
     bf16_or_skip(precision)
     bf16 = precision == "bf16"
     one, _ = batchnorm_on_cuda(case, "nn", bf16=bf16)
@@ -352,36 +335,34 @@ def test_the_global_batchnorms_cuda_path_at_one_process_is_nn_batchnorm(case, pr
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_global_batchnorms_cuda_path_at_a_world_of_two_on_one_gpu(layout, affine, precision):
     """What 8 GPUs run, on one: torch's fused kernels in common.GlobalBatchNorm's step as one
-    rank of 2 that hold the same rows (the gather and the all-reduce standing in) against
-    nn.BatchNorm on the rows doubled, within DOUBLED_TOLERANCES: (N, C), NCHW and NHWC, affine
-    and not (SimSiam's and BYOL's projectors end in BatchNorm1d(affine=False)), float32 and
-    bf16 under autocast (tests/test_global_batchnorm.py, same_rows_on_two_ranks)."""
+    rank of 2 that hold the same rows against nn.BatchNorm on the rows doubled, within
+    DOUBLED_TOLERANCES, in every layout, affine and not, float32 and bf16 under autocast
+    (tests/test_global_batchnorm.py, same_rows_on_two_ranks)."""
     bf16_or_skip(precision)
     assert_same_rows_on_two_ranks(layout, affine, precision, "cuda")
 
 
-# ------------------------------------------------------------------------------ 2 GPUs
+# ---- 2 GPUs
 @two_gpus
 @pytest.mark.rule("cuda")
 @pytest.mark.parametrize("method", METHODS)
 def test_two_gpus_take_the_first_step_of_one(method, tmp_path):
-    """The method's real script under torchrun on 2 GPUs (NCCL: gathered negatives, global
-    BatchNorm, global queue and support set, DDP) and as one process on one GPU, float32, one
-    step (an epoch): the step's global loss within DIST_TOLERANCE, the run folder whole."""
+    """The method's real script under torchrun on 2 GPUs (NCCL) and as one process on one GPU,
+    float32, one step (an epoch): the step's global loss within DIST_TOLERANCE, the run folder
+    whole."""
     losses = []
     for nproc in (1, 2):
         out = tmp_path / f"nproc{nproc}"
         argv = [*tiny(method), *STEP, "--device", "cuda", "--no-amp", "--out", out]
-        done = run_script(f"{method}.py", argv, nproc=nproc)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        run_ok(f"{method}.py", argv, nproc=nproc)
         losses.append(check_run_folder(out)[1][0]["loss"])
     assert abs(losses[0] - losses[1]) <= DIST_TOLERANCE * max(1.0, abs(losses[0])), losses
 
 
 def _worker_no_host_sync():
     """In each of 2 NCCL processes: forward + backward of a ResNet and a projector with batch
-    norm, passed through common.distribute (global BatchNorm, DDP), under
-    torch.cuda.set_sync_debug_mode("error"), after two warm-up passes (DDP builds its buckets)."""
+    norm through common.distribute, under torch.cuda.set_sync_debug_mode("error"), after two
+    warm-up passes (DDP builds its buckets)."""
     rank = common.rank()
     ctx = common.Context(rank, 2, rank, torch.device("cuda", rank),
                          torch.cuda.is_bf16_supported(including_emulation=False))
@@ -418,9 +399,8 @@ def _worker_batchnorm():
 @two_gpus
 def test_two_gpus_global_batchnorm_is_one_gpus_batchnorm(tmp_path, monkeypatch):
     """float32, 2 NCCL processes of half the rows each against nn.BatchNorm on the whole batch on
-    one GPU: outputs and input gradients in rank order, the weight and bias gradients summed
-    over the ranks (DDP's average of each rank's share), the running statistics on each rank,
-    within BATCHNORM_TOLERANCES' float32 bounds."""
+    one GPU: outputs and input gradients in rank order, weight and bias gradients summed over the
+    ranks, the running statistics on each rank, within BATCHNORM_TOLERANCES' float32 bounds."""
     monkeypatch.setenv("DIST_BACKEND", "nccl")
     ranks = run_distributed("test_cuda", "_worker_batchnorm", tmp_path)
     tolerance = BATCHNORM_TOLERANCES["float32"][0]
@@ -441,8 +421,7 @@ def test_two_gpus_global_batchnorm_is_one_gpus_batchnorm(tmp_path, monkeypatch):
 
 @two_gpus
 def test_global_batchnorm_never_makes_the_host_wait(tmp_path, monkeypatch):
-    """The ranks exchange per-channel statistics through the autograd-aware
-    gather, with no .item() or boolean indexing: a synchronising call in forward or backward
-    raises under set_sync_debug_mode("error") and fails the worker."""
+    """The ranks exchange per-channel statistics with no .item() or boolean indexing: no call in
+    forward or backward raises under set_sync_debug_mode("error")."""
     monkeypatch.setenv("DIST_BACKEND", "nccl")
     assert run_distributed("test_cuda", "_worker_no_host_sync", tmp_path) == ["no sync"] * 2

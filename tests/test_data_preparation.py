@@ -1,6 +1,6 @@
 """Preparing CIFAR/STL-10 on a cluster: nodes sharing --data-dir download into it one at a time,
-and on a node the first process downloads while the others wait. The download is a fake (the
-dataset class monkeypatched): what is tested is the lock and the wait around it."""
+and on a node the first process downloads while the others wait (a fake download: what is tested
+is the lock and the wait around it)."""
 
 import argparse
 import os
@@ -16,8 +16,8 @@ from helpers import run_distributed
 
 
 class FakeCIFAR10:
-    """Stands in for torchvision's CIFAR10: download=True "downloads and extracts" for 0.3 s into
-    root, noting when it ran in `downloads`; the data are four black images."""
+    """Stands in for torchvision's CIFAR10: download=True "downloads" for 0.3 s into root, noting
+    when in `downloads`; the data are four black images."""
 
     filename, base_folder = "cifar-10-python.tar.gz", "cifar-10-batches-py"
     downloads = []  # (start, end) of each download=True call
@@ -39,8 +39,8 @@ def cifar_args(data_dir):
 
 
 def test_nodes_sharing_a_data_dir_download_one_at_a_time(tmp_path, monkeypatch):
-    """Two first processes of two nodes prepare CIFAR-10 in the same --data-dir at the same moment:
-    the file lock in --data-dir lets one download and extract while the other waits."""
+    """Two nodes' first processes prepare CIFAR-10 in the same --data-dir at the same moment: the
+    file lock in --data-dir lets one download while the other waits."""
     monkeypatch.setattr(torchvision.datasets, "CIFAR10", FakeCIFAR10)
     monkeypatch.setattr(FakeCIFAR10, "downloads", [])
     ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)  # each a node's rank 0
@@ -62,9 +62,8 @@ def test_nodes_sharing_a_data_dir_download_one_at_a_time(tmp_path, monkeypatch):
 
 
 def _worker_node(data_dir):
-    """A node's 2 processes prepare CIFAR-10's two splits -> (the download=True calls' (start,
-    end), the download=False calls' starts), on this rank, with time.monotonic (one clock for
-    the processes of a machine)."""
+    """A node's 2 processes prepare CIFAR-10's two splits -> this rank's download=True calls'
+    (start, end) and download=False calls' starts, in time.monotonic (one clock a machine)."""
     torchvision.datasets.CIFAR10 = FakeCIFAR10
     rank = common.rank()
     ctx = common.Context(rank, 2, rank, torch.device("cpu"), amp=False)

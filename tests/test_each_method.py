@@ -1,17 +1,7 @@
-"""What every method file must do, each run as the README's quick start runs it (helpers.QUICK_START,
-the one place a method file is named: a new script with its quick-start line is checked here with
-nothing edited). `pytest -k NAME` selects one method file's checks:
-
-- its real script as `python` and under `torchrun --nproc_per_node=2` writes the same run: the
-  run folder, and the first step's loss alike (2 processes compute what one does);
-- killed in epoch 2 (SIGKILL), the same command continues it bit for bit;
-- its quick start learns: kNN top-1 at least MARGIN points above the same network untrained;
-- a step of its main() builds no tensor from Python data (a blocking copy on a GPU);
-- its first step, in float64, gives the backbone a gradient (a zeroed loss fails in a second),
-  and 2 processes take the step one process takes: the same gradient, the same update.
-
-The runs are real processes (no fork of this one), but those of main() run here (run_main)."""
-import collections
+"""What every method file must do, each run as the README's quick start runs it
+(helpers.QUICK_START, the one place a method file is named: a new script with its quick-start line
+is checked here with nothing edited); `pytest -k NAME` selects one method file's checks. The runs
+are real processes (no fork of this one), but those of main() run here (run_main)."""
 import importlib
 import inspect
 import json
@@ -20,12 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
-from helpers import (QUICK_START, check_run_folder, float64, modules_of, run_distributed, run_main,
-                     run_script, tiny)
-from test_preemption import killed, same_run
+from helpers import (QUICK_START, OpNames, check_run_folder, float64, modules_of, run_distributed,
+                     run_main, run_ok, same_run, tiny)
+from test_preemption import killed
 
 METHODS = sorted(QUICK_START)
 # kNN top-1 points over the untrained network. Measured for the quick starts' seed 0 at one thread
@@ -39,13 +28,12 @@ MARGIN = 10.0
 def test_python_and_torchrun_write_the_same_run(method, tmp_path):
     """One step of 16 images (an epoch), as `python` and as `torchrun --nproc_per_node=2`: both
     write the whole run folder, the start-up line from rank 0 alone, and the step's loss (before
-    any update: float32 rounding apart) within 1e-4 of each other."""
+    any update) within 1e-4 of each other."""
     args = [*tiny(method, "--limit-train", "16", "--epochs", "1"), "--linear-epochs", "1"]
     runs = {}
     for nproc in (1, 2):
         out = tmp_path / f"nproc{nproc}"
-        done = run_script(f"{method}.py", [*args, "--out", out], nproc=nproc)
-        assert done.returncode == 0, done.stderr[-3000:]
+        done = run_ok(f"{method}.py", [*args, "--out", out], nproc=nproc)
         assert sum(line.startswith("run ") for line in done.stdout.splitlines()) == 1
         _, (line,), results = check_run_folder(out, epochs=1)
         assert "linear_top1" in results
@@ -56,10 +44,9 @@ def test_python_and_torchrun_write_the_same_run(method, tmp_path):
 @pytest.mark.rule("resume")
 @pytest.mark.parametrize("method", METHODS)
 def test_a_killed_run_continues_with_the_same_command_bit_for_bit(method, tmp_path, capsys):
-    """One process killed (SIGKILL) in epoch 2's second step (4 steps an epoch): epoch 1's
-    checkpoint is kept, no temp file left; the same command then continues from it (and says so)
-    and ends as an uninterrupted run does: results.json, backbone.pt, the checkpoint's tensors
-    and every loss."""
+    """One process killed (SIGKILL) in epoch 2's second step: epoch 1's checkpoint is kept, no
+    temp file left; the same command then continues from it (and says so) and ends as an
+    uninterrupted run does (helpers.same_run)."""
     module = importlib.import_module(method)
     module.main([*tiny(method), "--out", tmp_path / "straight"])
     out = tmp_path / "stopped"
@@ -75,9 +62,9 @@ def test_a_killed_run_continues_with_the_same_command_bit_for_bit(method, tmp_pa
 
 @pytest.fixture(scope="module")
 def quick_starts(request, tmp_path_factory):
-    """quick_starts(method) -> (kNN untrained, kNN trained) of the method's quick start, run as
-    the README says (with --linear-epochs 0, --workers 0) at one thread, and with --epochs 0. At
-    the first call the runs of every selected method are made, two processes at a time."""
+    """quick_starts(method) -> (kNN untrained, kNN trained) of the method's quick start (with
+    --linear-epochs 0, --workers 0) at one thread. The first call makes every selected method's
+    runs, two processes at a time."""
     root = tmp_path_factory.mktemp("quick_starts")
     selected = {item.callspec.params["method"] for item in request.session.items
                 if item.module is request.module and "quick_start" in item.name}
@@ -88,8 +75,7 @@ def quick_starts(request, tmp_path_factory):
         out = root / f"{method}-{'untrained' if epochs else 'trained'}"
         argv = [*QUICK_START[method], "--linear-epochs", "0", "--workers", "0",
                 "--device", "cpu", "--out", out, *epochs]
-        process = run_script(f"{method}.py", argv)
-        assert process.returncode == 0, (method, process.stderr[-2000:])
+        run_ok(f"{method}.py", argv)
         with open(out / "results.json") as f:
             return json.load(f)["knn_top1"]
 
@@ -107,38 +93,23 @@ def quick_starts(request, tmp_path_factory):
 @pytest.mark.parametrize("method", METHODS)
 def test_the_quick_start_learns(method, quick_starts):
     """The README's quick-start line for the method (3 epochs on the generated textures) ends with
-    kNN top-1 at least MARGIN points above the same network untrained (--epochs 0). Guards a
-    training step that does not learn; tests/test_learning.py has each paper's variants."""
+    kNN top-1 at least MARGIN points above the same network untrained (--epochs 0)."""
     untrained, trained = quick_starts(method)
     assert trained >= untrained + MARGIN, f"{method}: kNN {trained:.1f}% vs {untrained:.1f}%"
 
 
-class OpNames(TorchDispatchMode):
-    """The aten ops dispatched inside it, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
-# torch.tensor, as_tensor and new_tensor of Python data, on the CPU (on CUDA the copy that
-# follows is a second op). A Python number given to an op (scalar_tensor) is no copy: CUDA's
-# kernels take it as an argument.
-FROM_PYTHON_DATA = {"lift_fresh", "lift_fresh_copy"}
+# torch.tensor, as_tensor and new_tensor of Python data, on the CPU. A Python number given to an
+# op (scalar_tensor) is no copy: CUDA's kernels take it as an argument.
+FROM_PYTHON_DATA = {"aten.lift_fresh", "aten.lift_fresh_copy"}
 
 
 @pytest.mark.rule("no-python-data")
 @pytest.mark.parametrize("method", METHODS)
 def test_a_step_of_main_builds_no_tensor_from_python_data(method, tmp_path):
-    """On a GPU each tensor built from Python data is a blocking host-to-device
-    copy, and with 8 GPUs every host waits for the slowest. Counted from the end of main()'s
-    first train_step to the end of its second: the probes and the meter of step 1, the schedule,
-    the augmentation, GSG's pairs and train_step (loss, optimiser, EMA, queue, support set) of
-    step 2. The CPU sees each such copy as an aten.lift_fresh. CUDA twin: tests/test_cuda.py."""
+    """On a GPU each tensor built from Python data is a blocking host-to-device copy, and with 8
+    GPUs every host waits for the slowest. Counted from the end of main()'s first train_step to
+    the end of its second (the probes, meter, schedule, augmentation, GSG's pairs, train_step): the
+    CPU sees each such copy as an aten.lift_fresh. CUDA twin: tests/test_cuda.py."""
     counter = OpNames()
 
     def after(step, args, kwargs, result):
@@ -154,11 +125,10 @@ def test_a_step_of_main_builds_no_tensor_from_python_data(method, tmp_path):
 
 
 def first_step(method, out):
-    """METHOD's main() up to the end of its first train_step, at the README's tiny run (16
-    images), in float64: the network built in it, the views cast to it -> {"loss"; "grads", the
-    gradient the optimiser took (None where a parameter has none); "updates", each parameter
-    after the step less before; "backbone", whether each lies in a common.ResNet}, over the bare
-    network's parameters in order. Called by tests/dist_worker.py, it is one rank's step."""
+    """METHOD's main() up to the end of its first train_step (16 images), in float64 -> {"loss";
+    "grads", the gradient the optimiser took (None where a parameter has none); "updates", each
+    parameter after the step less before; "backbone", whether each lies in a common.ResNet}, over
+    the bare network's parameters in order. Under tests/dist_worker.py, one rank's step."""
     module = importlib.import_module(method)
     signature = inspect.signature(module.train_step)
     seen = {}
@@ -216,8 +186,8 @@ def one_process_steps(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_process_steps(request, tmp_path_factory):
-    """{method: (rank 0's first_step, rank 1's)} at 2 gloo processes, for every selected method
-    in one torchrun (its start-up is most of the time)."""
+    """{method: (rank 0's first_step, rank 1's)} at 2 gloo processes, every selected method in
+    one torchrun."""
     selected = sorted({item.callspec.params["method"] for item in request.session.items
                        if item.module is request.module and "two_processes" in item.name})
     root = tmp_path_factory.mktemp("two_process_steps")
@@ -230,9 +200,8 @@ def two_process_steps(request, tmp_path_factory):
 def test_a_first_step_moves_the_backbone_down_the_losss_gradient(method, one_process_steps):
     """The loss of main()'s first step reaches the backbone (every common.ResNet in the network),
     a finite gradient that is not zero, and the step moves the backbone against it (measured: the
-    update's cosine with minus the gradient 0.9999 or more). Weight decay alone would move the
-    backbone too, hence the gradient. A copy of simclr_dcl.py whose loss is multiplied by 0
-    fails here in a second (seen failing; the learning runs take minutes to see it)."""
+    update's cosine with minus the gradient 0.9999 or more; weight decay alone would move it too).
+    A loss multiplied by 0 fails here in a second (the learning runs take minutes to see it)."""
     step = one_process_steps(method)
     mine = [b and g is not None for g, b in zip(step["grads"], step["backbone"])]
     assert any(mine), f"{method}: no gradient reaches the backbone"
@@ -248,10 +217,8 @@ def test_two_processes_take_the_first_step_one_process_takes(method, one_process
                                                               two_process_steps):
     """main()'s first step in float64, 16 images as 2 gloo processes of 8 and as one of 16: each
     rank's gradient (DDP's average) and update of the parameters are one process's to 1e-9 of
-    their size (float64's rounding in another order; measured: 7e-15 to 6e-14), and so is the
-    mean of the ranks' losses (each its own images' mean). A copy of simclr_dcl.py whose
-    negatives are gathered without their gradient (`gather` in place of `gather_with_grad`)
-    fails here, while its loss, as the 2-process run above compares it, is the same."""
+    their size (measured: 7e-15 to 6e-14), and so is the mean of the ranks' losses. Negatives
+    gathered without their gradient fail here, while their loss is the same."""
     one = one_process_steps(method)
     ranks = two_process_steps[method]
     mean = sum(two["loss"] for two in ranks) / len(ranks)
@@ -267,8 +234,8 @@ def test_two_processes_take_the_first_step_one_process_takes(method, one_process
 
 
 def test_run_main_sees_each_steps_networks(tmp_path):
-    """helpers.run_main gives each train_step call's own arguments: the modules main() built
-    (here MoCo v2's query network, key encoder and queue), and ends main after the steps asked."""
+    """helpers.run_main gives each train_step call's own arguments (here MoCo v2's query network,
+    key encoder and queue), and ends main after the steps asked."""
     import moco_simmoco_simco
 
     seen = []

@@ -1,17 +1,16 @@
 """Evaluation (common.py) on small hand-built cases, each against a plain loop or a hand-computed
-reference: the weighted kNN monitor and evaluate's two kNN numbers, the features, the fixed
-linear probe's standardisation and the online probe's step, hook and accuracy."""
+reference: the weighted kNN and evaluate's two kNN numbers, the features, the fixed probe."""
 
 import math
 from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import common
+from helpers import ctx_for
 
-CPU = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
+CPU = ctx_for()
 
 
 def on_circle(*angles):
@@ -38,31 +37,23 @@ def knn_by_hand(train_f, train_y, test_f, test_y, k, t):
     return 100.0 * correct / counted
 
 
-# One test image (class 1) at angle 0. Its nearest training image is of class 0 (0.10 rad), the
-# next two of class 1 (0.20, 0.25 rad); three far images of class 2. k=1 says class 0; k=3 at
-# t=0.1 says class 1 (e^9.95 < e^9.80 + e^9.69); k=3 at t=0.02 says class 0 again (the nearest
-# one's weight e^49.75 beats e^49.00 + e^48.46).
+# One test image (class 1) at angle 0; the nearest training image of class 0 (0.10 rad), the next
+# two of class 1 (0.20, 0.25 rad), three far of class 2. k=3 at t=0.1 says class 1 (e^9.95 <
+# e^9.80 + e^9.69); at t=0.02 class 0 (e^49.75 > e^49.00 + e^48.46).
 NEAR_TRAIN_F = on_circle(0.10, 0.20, 0.25, 2.0, 2.1, 2.2)
 NEAR_TRAIN_Y = torch.tensor([0, 1, 1, 2, 2, 2])
 NEAR_TEST_F, NEAR_TEST_Y = on_circle(0.0), torch.tensor([1])
 
 
-def test_knn_votes_with_the_k_nearest_neighbours_not_the_nearest_alone():
-    """k=1: the single nearest (class 0) decides, 0 %; k=3, t=0.1: its two class-1 neighbours
-    outvote it, 100 %; each as the plain loop computes."""
+def test_knn_votes_with_the_k_nearest_neighbours_weighted_by_exp_of_similarity_over_t():
+    """The k nearest vote, not the nearest alone: k=1, the single nearest (class 0) decides, 0 %;
+    k=3, t=0.1, its two class-1 neighbours outvote it, 100 %. Their weights are exp(sim / t): at
+    t=0.02 the nearest outvotes the two next (0 %), at t=1 it does not (100 %); with exp(sim * t)
+    t=0.02 would weigh all three alike. Each as the plain loop computes."""
     case = (NEAR_TRAIN_F, NEAR_TRAIN_Y, NEAR_TEST_F, NEAR_TEST_Y)
-    for k, expected in ((1, 0.0), (3, 100.0)):
-        assert knn_by_hand(*case, k=k, t=0.1) == expected
-        assert common.knn_accuracy(*case, num_classes=3, k=k, t=0.1) == expected
-
-
-def test_knn_vote_weight_is_exp_of_similarity_over_temperature():
-    """exp(sim / t): at t=0.02 the nearest neighbour's weight outvotes the two next (0 %); at
-    t=0.1 and t=1 it does not (100 %). With exp(sim * t) t=0.02 would weigh all three alike."""
-    case = (NEAR_TRAIN_F, NEAR_TRAIN_Y, NEAR_TEST_F, NEAR_TEST_Y)
-    for t, expected in ((0.02, 0.0), (0.1, 100.0), (1.0, 100.0)):
-        assert knn_by_hand(*case, k=3, t=t) == expected
-        assert common.knn_accuracy(*case, num_classes=3, k=3, t=t) == expected
+    for k, t, expected in ((1, 0.1, 0.0), (3, 0.1, 100.0), (3, 0.02, 0.0), (3, 1.0, 100.0)):
+        assert knn_by_hand(*case, k=k, t=t) == expected
+        assert common.knn_accuracy(*case, num_classes=3, k=k, t=t) == expected
 
 
 def test_unlabelled_rows_neither_vote_nor_count():
@@ -113,11 +104,9 @@ def evaluation_args(**options):
 
 def test_final_evaluation_reports_knn_with_knn_k_and_knn_t_and_with_k_1():
     """evaluate(final=True): knn_top1 is the vote of --knn-k neighbours at --knn-t, knn_k1_top1
-    that of the single nearest, each as the plain loop computes on the features.
-
-    Two class-1 test images. P at 0 rad: class 0 at 0.10, class 1 at 0.20, 0.25 (k=3: t=0.02 says
-    0, t=0.1 says 1). Q at 1.2 rad: class 0 at +0.05, class 1 at +0.055, +0.06 (k=3 says 1 at
-    either t). k=1 says 0 for both: knn_top1 50 %, knn_k1_top1 0 % (100 % at the default t)."""
+    that of the single nearest, each as the plain loop computes on the features. Two class-1 test
+    images: P at 0 rad (class 0 at 0.10, class 1 at 0.20, 0.25: k=3 says 0 at t=0.02, 1 at 0.1),
+    Q at 1.2 (class 0 at +0.05, class 1 at +0.055, +0.06: k=3 says 1); k=1 says 0 for both."""
     train_f = on_circle(0.10, 0.20, 0.25, 1.25, 1.255, 1.26, 2.5, 2.6, 2.7)
     train_y = torch.tensor([0, 1, 1, 0, 1, 1, 2, 2, 2])
     test_f, test_y = on_circle(0.0, 1.2), torch.tensor([1, 1])
@@ -133,8 +122,7 @@ def test_final_evaluation_reports_knn_with_knn_k_and_knn_t_and_with_k_1():
 
 def test_extracted_features_are_the_eval_mode_backbones_rows_scaled_to_unit_norm():
     """unit=True: F(x) / |F(x)| of the backbone in eval mode on the normalised images, every row
-    of norm 1, in float16; unit=False: F(x) itself; the backbone's train mode is given back. A kNN
-    bank left unnormalised (extract_features storing f for F.normalize(f, dim=1)) fails here."""
+    of norm 1, in float16; unit=False: F(x) itself; the backbone's train mode is given back."""
     torch.manual_seed(0)
     backbone = common.ResNet("resnet18", 8, 8)
     backbone(torch.randn(16, 3, 8, 8))  # moves the BatchNorm running statistics off 0 and 1
@@ -148,7 +136,7 @@ def test_extracted_features_are_the_eval_mode_backbones_rows_scaled_to_unit_norm
     backbone.train()
     unit, y = common.extract_features(backbone, data.eval_train, data, CPU)
     assert torch.equal(y, labels) and backbone.training
-    assert unit.dtype == torch.float16  # the kNN bank's (issue 45): to 5e-4
+    assert unit.dtype == torch.float16  # the kNN bank's: to 5e-4
     unit = unit.float()
     torch.testing.assert_close(unit.norm(dim=1), torch.ones(5), rtol=0, atol=2e-3)
     torch.testing.assert_close(unit, raw / raw.norm(dim=1, keepdim=True), rtol=0, atol=5e-4)
@@ -158,10 +146,9 @@ def test_extracted_features_are_the_eval_mode_backbones_rows_scaled_to_unit_norm
 
 
 def test_the_fixed_probe_standardises_the_test_features_with_the_training_statistics():
-    """One feature, 100 + 0.1 * (+-1 + U(-0.25, 0.25)), the sign of the +-1 the class. Trained on
-    standardised features the probe classifies standardised test features perfectly; on the raw
-    test features (offset 100, a scale 10 times too small) it would call all of them one class,
-    50 %."""
+    """One feature, 100 + 0.1 * (+-1 + U(-0.25, 0.25)), the sign of the +-1 the class: trained on
+    standardised features, the probe classifies the test features standardised alike perfectly
+    (raw, it would call them all one class, 50 %)."""
     g = torch.Generator().manual_seed(0)
 
     def features(n):

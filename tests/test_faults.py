@@ -1,6 +1,6 @@
 """Nothing is lost, whatever happens to a run: every file in a run folder is written whole or not
 at all, a full disk or a damaged file is one line, no checkpoint holds a non-finite tensor (tiny
-runs of the harness script on CPU, here; kills: test_preemption.py)."""
+runs of the harness script; kills: test_preemption.py)."""
 
 import errno
 import json
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import common
-from helpers import FailingWrites, check_run_folder, harness_module, smoke_args, stop_in_epoch
+from helpers import (FailingWrites, check_run_folder, flat_tensors, harness_module, smoke_args,
+                     stop_in_epoch)
 from test_common import fails_with
 
 harness = harness_module()  # the README's first quick-start script
@@ -39,23 +40,24 @@ def temp_files(folder):
 
 
 @pytest.mark.parametrize("change", [
-    lambda c: torch.zeros(3),
-    lambda c: {"model": c["model"]},
-    lambda c: {**c, "optimizer": {}},
-], ids=["tensor", "model-only", "empty-optimizer"])
-def test_a_checkpoint_that_does_not_fit_is_one_error_line(stopped_run, tiny_folder, tmp_path,
-                                                          capsys, change, recwarn):
-    """A checkpoint.pt that loads but is not a dict with every state of this run: one line, and no
-    warning from torch about how it was read."""
+    lambda c: b"not a checkpoint", lambda c: torch.zeros(3), lambda c: {"model": c["model"]},
+    lambda c: {**c, "optimizer": {}}], ids=["corrupt", "tensor", "model-only", "empty-optimizer"])
+def test_a_corrupt_or_mismatched_checkpoint_is_one_error_line(stopped_run, tiny_folder, tmp_path,
+                                                              capsys, change, recwarn):
+    """A checkpoint.pt that is no checkpoint, or loads but lacks a state of this run: one line, and
+    no warning from torch about how it was read."""
     run = copy_of(stopped_run, tmp_path)
-    checkpoint = torch.load(run / "checkpoint.pt", weights_only=True)
-    torch.save(change(checkpoint), run / "checkpoint.pt")
+    changed = change(torch.load(run / "checkpoint.pt", weights_only=True))
+    if isinstance(changed, bytes):
+        (run / "checkpoint.pt").write_bytes(changed)
+    else:
+        torch.save(changed, run / "checkpoint.pt")
     fails_with(smoke_args(tiny_folder, run, "--epochs", "2", *SMALL), capsys,
                f"{run / 'checkpoint.pt'} does not fit this run or is unreadable (")
     assert not [str(w.message) for w in recwarn]
 
 
-def full_disk(file, data):
+def full_disk(write, data):
     """Every write fails as on a full disk."""
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
@@ -63,19 +65,16 @@ def full_disk(file, data):
 def fill_disk_for(monkeypatch, name):
     """Writes to files named `name` (or its temp file) fail with ENOSPC, as common.py opens them."""
     def opener(path, mode="r", *args, **kwargs):
-        file = open(path, mode, *args, **kwargs)
-        writes = any(m in mode for m in "wax+")
-        failing = writes and os.path.basename(path).startswith(name)
-        return FailingWrites(file, full_disk) if failing else file
+        if any(m in mode for m in "wax+") and os.path.basename(path).startswith(name):
+            return FailingWrites(path, mode, full_disk)
+        return open(path, mode, *args, **kwargs)
     monkeypatch.setattr(common, "open", opener, raising=False)
 
 
 def test_a_failed_results_write_leaves_none_and_the_same_command_finishes(
-    tiny_folder, tmp_path, monkeypatch, capsys
-):
-    """A write that fails while results.json is written leaves no 0-byte results.json, so the
-    run is not taken as finished: the same command then evaluates and writes it. One error
-    line, no temp file."""
+        tiny_folder, tmp_path, monkeypatch, capsys):
+    """A failed write of results.json is one error line and leaves neither a 0-byte results.json
+    (the run is not taken as finished) nor a temp file: the same command then writes it."""
     argv = smoke_args(tiny_folder, tmp_path / "run", *SMALL)
     fill_disk_for(monkeypatch, "results.json")
     fails_with(argv, capsys, "results.json (No space")
@@ -134,37 +133,37 @@ def test_a_damaged_png_that_pillow_rejects_with_a_syntax_error_is_named(tiny_fol
 def non_finite(path):
     """The names of checkpoint.pt's tensors that hold a NaN or an infinity."""
     checkpoint = torch.load(path, weights_only=True)
-    return [n for n, t in flat(checkpoint).items()
+    return [n for n, t in flat_tensors(checkpoint).items()
             if t.is_floating_point() and not t.isfinite().all()]
 
 
-def flat(state, prefix=""):
-    if torch.is_tensor(state):
-        return {prefix: state}
-    if not isinstance(state, (dict, list, tuple)):
-        return {}
-    items = state.items() if isinstance(state, dict) else enumerate(state)
-    return {k: t for key, v in items for k, t in flat(v, f"{prefix}/{key}").items()}
-
-
-def test_a_loss_that_becomes_nan_writes_no_checkpoint_and_says_so(tmp_path, capsys):
-    """lr 1e5 without warm-up: the loss is NaN in epoch 1. One true line (which epoch, that no
-    checkpoint was written, what to try), exit status 2, and no checkpoint.pt."""
+def test_a_loss_that_becomes_nan_writes_no_checkpoint_and_the_same_command_starts_again(
+        tiny_folder, tmp_path, capsys, monkeypatch):
+    """A NaN loss in epoch 1: one true line (which epoch, that no checkpoint was written, what to
+    try), exit status 2, and no checkpoint.pt; the same command then runs in that folder (its
+    metrics.jsonl starts empty)."""
     out = tmp_path / "run"
-    argv = ["--dataset", "textures", "--width", "8", "--batch-size", "32", "--warmup-epochs",
-            "0", "--lr", "1e5", "--epochs", "2", "--device", "cpu", "--out", out]
-    fails_with(argv, capsys, "error: the loss became nan in epoch 1; no checkpoint was "
-               "written. Lower --lr, check --wd and the temperatures, or try --no-amp, in a "
-               "new --out")
+    argv = smoke_args(tiny_folder, out, *SMALL)
+    real = harness.train_step
+
+    def nan_loss(*args, **kwargs):
+        loss, *more = real(*args, **kwargs)
+        return (loss * float("nan"), *more)
+
+    monkeypatch.setattr(harness, "train_step", nan_loss)
+    fails_with(argv, capsys, "error: the loss became nan in epoch 1; no checkpoint was written. "
+               "Lower --lr, check --wd and the temperatures, or try --no-amp, in a new --out")
     assert not (out / "checkpoint.pt").exists()
+    monkeypatch.undo()
+    harness.main(argv)
+    check_run_folder(out, epochs=1)
 
 
 def test_weights_that_become_non_finite_in_a_finite_epoch_keep_the_last_checkpoint(
     tiny_folder, tmp_path, capsys
 ):
-    """The last step of epoch 2 leaves a weight infinite (its loss, and so the epoch's mean, was
-    finite before it): the run stops with one line naming epoch 1's checkpoint as kept, and
-    that checkpoint holds no non-finite tensor."""
+    """The last step of epoch 2 leaves a weight infinite (its loss was finite): the run stops with
+    one line naming epoch 1's checkpoint as kept, which holds no non-finite tensor."""
     real = harness.train_step
     steps = []
 
@@ -190,8 +189,8 @@ def test_weights_that_become_non_finite_in_a_finite_epoch_keep_the_last_checkpoi
 
 
 def test_a_bug_keeps_its_traceback():
-    """An exception that is no UserError (a bug, or torch's own) is not turned into one line:
-    common.run lets it through, traceback and all."""
+    """An exception that is no UserError (a bug, or torch's own) goes through common.run,
+    traceback and all."""
     def main():
         raise OSError(errno.EIO, "a bug's own error")
 

@@ -1,34 +1,28 @@
-"""common.GlobalBatchNorm, every BatchNorm with more than one
-process: at 2 gloo processes it is one process's BatchNorm on the
-global batch, its statistics exchanged in one collective each way;
-under bf16 autocast it returns what nn's returns, so bf16 at 2
-processes is bf16 at one. Its CUDA
-path, in torch's fused kernels (which have no CPU version), runs
-here on stand-ins that compute and return what the kernels do (their
-CUDA sources': None or empty(0) included); tests/test_cuda.py runs
-the kernels, also as one rank of two on one GPU.
+"""common.GlobalBatchNorm, every BatchNorm with more than one process: at 2 gloo processes it is one
+process's BatchNorm on the global batch, its statistics exchanged in one collective each way;
+under bf16 autocast it returns what nn's returns, so bf16 at 2 processes is bf16 at one. Its CUDA
+path, in torch's fused kernels (which have no CPU version), runs here on stand-ins that compute
+and return what the kernels do (their CUDA sources': None or empty(0) included);
+tests/test_cuda.py runs the kernels, also as one rank of two on one GPU.
 
 One torchrun run serves every test here (a start costs seconds)."""
-import collections
 import contextlib
 from unittest import mock
 
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
-from helpers import HARNESS, run_distributed, small_network
+from helpers import HARNESS, OpNames, ctx_for, run_distributed, small_network
 
 WORLD = 2
 CASES = {  # the layer, the global batch, affine
     "2d": (nn.BatchNorm2d, (16, 16, 6, 6), True),
     "1d without affine": (nn.BatchNorm1d, (16, 16), False),
 }
-# bf16 at 2 processes against 1 (a ResNet and a projector, 16 images of
-# 8 px): measured 6.6e-8 for the loss and 6.4e-3 for the gradients;
-# the bounds are 4 and 8 of bf16's roundings (8 bits: 3.9e-3)
+# bf16 at 2 processes against 1 (a ResNet and a projector, 16 images of 8 px): measured 6.6e-8 for
+# the loss and 6.4e-3 for the gradients; the bounds are 4 and 8 of bf16's roundings (8 bits: 3.9e-3)
 BF16_LOSS = 1.6e-2
 BF16_GRADIENTS = 3.1e-2
 # the CPU's path, and its CUDA path on the kernels' stand-ins
@@ -53,8 +47,7 @@ def accumulation(x):
 
 
 def channels_last_kernels(t):
-    """Normalization.cu's batch_norm_use_channels_last_kernels: NHWC, and (N, C) contiguous,
-    whose channels are its fastest dimension too."""
+    """Normalization.cu's batch_norm_use_channels_last_kernels: NHWC, and (N, C) contiguous."""
     nhwc = t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
     return nhwc or (t.is_contiguous() and t.stride(1) == 1)
 
@@ -84,9 +77,9 @@ def batch_norm_elemt(x, weight, bias, mean, invstd, eps):
 
 
 def batch_norm_backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
-    """sum(dy), sum(dy (x - mean)), grad_weight, grad_bias. The channels-last kernels (NHWC, and
-    (N, C) contiguous) return the last two whatever the flags, and with no weight `empty(0)`,
-    not None; the others return each only where its flag asks."""
+    """sum(dy), sum(dy (x - mean)), grad_weight, grad_bias. The channels-last kernels return the
+    last two whatever the flags, and with no weight `empty(0)`, not None; the others return each
+    only where its flag asks."""
     dy_, x_ = dy.to(mean), x.to(mean)
     sum_dy, sum_dy_xmu = sums(dy_), sums(dy_ * (x_ - per_channel(x, mean)))
     grad_weight, grad_bias = sum_dy_xmu * invstd, sum_dy
@@ -114,14 +107,9 @@ KERNELS = {f.__name__: f for f in (
     batch_norm_backward_reduce, batch_norm_backward_elemt)}
 
 
-def ctx_for(rank, world, amp=False):
-    return common.Context(rank, world, 0, torch.device("cpu"), amp)
-
-
 def batchnorm_step(case, implementation, rank, world):
-    """A float64 training pass and backward of a weighted sum (the
-    global loss split by rows) on rank's rows, then an evaluation
-    pass -> outputs, gradients, running statistics."""
+    """A float64 training pass and backward of a weighted sum (the global loss split by rows) on
+    rank's rows, then an evaluation pass -> the layer's type, outputs, gradients, statistics."""
     layer, shape, affine = CASES[case]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=g, dtype=torch.float64) * 3 + 2
@@ -139,25 +127,13 @@ def batchnorm_step(case, implementation, rank, world):
         else:
             out = bn(x)
         (out * weights[rows]).sum().backward()
-    result = {"out": out.detach(), "grad_x": x.grad,
+    result = {"type": type(bn), "out": out.detach(), "grad_x": x.grad,
               "running_mean": bn.running_mean.clone(),
               "running_var": bn.running_var.clone(),
               "eval": bn.eval()(x.detach())}
     if affine:
         result.update(grad_w=bn.weight.grad, grad_b=bn.bias.grad)
     return result
-
-
-class OpNames(TorchDispatchMode):
-    """The aten and c10d ops dispatched inside the block, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def ops(layer, x):
@@ -169,10 +145,9 @@ def ops(layer, x):
 
 
 def bf16_network(world, rank):
-    """A ResNet-18 w4 and a projector (BatchNorm2d
-    and 1d) under bf16 autocast, distributed as main() does, on
-    rank's rows of 16 images -> the global loss, the gradients, the
-    dtype of every BatchNorm's output, the running statistics."""
+    """A ResNet-18 w4 and a projector (BatchNorm2d and 1d) under bf16 autocast, distributed as
+    main() does, on rank's rows of 16 images -> the global loss, the gradients, the dtype of every
+    BatchNorm's output, the running statistics."""
     ctx = ctx_for(rank, world, amp=True)
     torch.manual_seed(0)
     model = small_network()
@@ -180,8 +155,7 @@ def bf16_network(world, rank):
     dtypes = set()
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            m.register_forward_hook(
-                lambda m, inputs, out: dtypes.add(out.dtype))
+            m.register_forward_hook(lambda m, inputs, out: dtypes.add(out.dtype))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(16, 3, 8, 8, generator=g)
     weights = torch.randn(16, 8, generator=g)
@@ -203,8 +177,7 @@ def _worker():
                          for c in CASES for i in IMPLEMENTATIONS}}
     # the issue's size, (8, 16, 6, 6) on each rank
     x = torch.randn(8, 16, 6, 6)
-    synced = common.sync_batchnorm(
-        nn.Sequential(nn.BatchNorm2d(16)), ctx_for(rank, WORLD))[0]
+    synced = common.sync_batchnorm(nn.Sequential(nn.BatchNorm2d(16)), ctx_for(rank, WORLD))[0]
     results["ops"] = ops(synced, x)
     results["bf16"] = bf16_network(WORLD, rank)
     return results
@@ -212,50 +185,43 @@ def _worker():
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return run_distributed(
-        "test_global_batchnorm", "_worker", tmp_path_factory.mktemp("bn"))
+    return run_distributed("test_global_batchnorm", "_worker", tmp_path_factory.mktemp("bn"))
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("case", CASES)
-def test_two_processes_equal_one_batchnorm_on_the_global_batch(
-        ranks, case, implementation):
-    """float64, 2 processes of 8 rows against nn's BatchNorm on 16:
-    the outputs and input gradients, in rank order; the weight and
-    bias gradients summed over the ranks (DDP averages them, as
-    each rank's loss is its share); the running statistics on each
-    rank; and, in evaluation, nn's pass on those statistics."""
+def test_two_processes_equal_one_batchnorm_on_the_global_batch(ranks, case, implementation):
+    """float64, 2 processes of 8 rows, their BatchNorm made a GlobalBatchNorm by
+    common.sync_batchnorm, against nn's BatchNorm on 16: the outputs and input gradients in rank
+    order; the weight and bias gradients summed over the ranks (DDP averages them); the running
+    statistics on each rank; and, in evaluation, nn's pass on those statistics."""
     one = batchnorm_step(case, "nn", 0, 1)
     got = [r["cases"][case, implementation] for r in ranks]
+    assert all(r["type"] is common.GlobalBatchNorm for r in got)
     for key in ("out", "grad_x"):
-        torch.testing.assert_close(
-            torch.cat([r[key] for r in got]), one[key], rtol=0, atol=1e-12)
+        torch.testing.assert_close(torch.cat([r[key] for r in got]), one[key], rtol=0, atol=1e-12)
     for key in ("grad_w", "grad_b"):
         if key in one:
-            torch.testing.assert_close(
-                sum(r[key] for r in got), one[key], rtol=0, atol=1e-11)
+            torch.testing.assert_close(sum(r[key] for r in got), one[key], rtol=0, atol=1e-11)
     for r in got:
         for key in ("running_mean", "running_var"):
             torch.testing.assert_close(r[key], one[key], rtol=0, atol=1e-12)
-    torch.testing.assert_close(
-        torch.cat([r["eval"] for r in got]), one["eval"], rtol=0, atol=1e-12)
+    torch.testing.assert_close(torch.cat([r["eval"] for r in got]), one["eval"], rtol=0, atol=1e-12)
 
 
 def test_it_exchanges_statistics_in_one_collective_each_way(ranks):
     """At 2 processes, forward and backward of (8, 16, 6, 6) on each rank: one all_gather (the
-    ranks' per-channel statistics, not their activations) and one all_reduce (their gradient)."""
+    per-channel statistics, not the activations) and one all_reduce."""
     for r in ranks:
         collectives = {k: v for k, v in r["ops"].items() if k.startswith("c10d.")}
         assert collectives == {"c10d._allgather_base_": 1, "c10d.allreduce_": 1}, collectives
 
 
 def test_bf16_at_two_processes_is_bf16_at_one(ranks):
-    """Under CPU bf16 autocast a ResNet and a projector at 2 processes, as
-    at one: every BatchNorm returns bf16 (nn's does; before issue
-    45 GlobalBatchNorm returned float32), the statistics are
-    float32 and equal to nn's, and the global loss and the
-    gradients agree within BF16_LOSS and BF16_GRADIENTS (relative
-    error of the loss; of all gradients, as one vector)."""
+    """Under CPU bf16 autocast a ResNet and a projector at 2 processes, as at one: every BatchNorm
+    returns bf16 (as nn's does), the statistics are float32 and equal to nn's, and the global loss
+    and the gradients agree within BF16_LOSS and BF16_GRADIENTS (relative error of the loss; of all
+    gradients, as one vector)."""
     one = bf16_network(1, 0)
     assert one["dtypes"] == {torch.bfloat16}
     for r in (r["bf16"] for r in ranks):
@@ -272,10 +238,9 @@ def test_bf16_at_two_processes_is_bf16_at_one(ranks):
         assert error <= BF16_GRADIENTS, error
 
 
-# ------------------------------------------------ a world of 2 on one device
+# ---- a world of 2 on one device
 # The fused step's world > 1 arithmetic on one device (tests/test_cuda.py runs it on torch's
-# kernels): two ranks that hold the same rows, the gather giving the rows' statistics twice and
-# the all-reduce doubling the sums, are nn.BatchNorm on the batch doubled.
+# kernels): two ranks that hold the same rows are nn.BatchNorm on the batch doubled.
 LAYOUTS = {"(N, C)": ((32, 16), torch.contiguous_format),
            "NCHW": ((8, 16, 4, 4), torch.contiguous_format),
            "NHWC": ((8, 16, 4, 4), torch.channels_last)}
@@ -289,9 +254,8 @@ DOUBLED_TOLERANCES = {"float64": (1e-12, 1e-12), "float32": (1e-4, 1e-4),
 def same_rows_on_two_ranks(layout, affine, precision, device):
     """One rank of a world of 2 whose ranks hold the same rows (the fused step, its gather and
     all-reduce standing in) and nn.BatchNorm on the batch doubled, each a training pass and the
-    backward of a weighted sum, bf16 under autocast -> (rank, doubled): the output, the input
-    gradient, the weight and bias gradients, the running statistics; the doubled batch's first
-    half and half its weight gradients, which are one rank's."""
+    backward of a weighted sum -> (rank, doubled): the output, the input, weight and bias
+    gradients, the running statistics (of the doubled batch: one rank's share)."""
     shape, memory_format = LAYOUTS[layout]
     layer = nn.BatchNorm2d if len(shape) == 4 else nn.BatchNorm1d
     dtype = {"bf16": torch.bfloat16, "float32": torch.float32}.get(precision, torch.float64)
@@ -348,25 +312,24 @@ def assert_same_rows_on_two_ranks(layout, affine, precision, device):
 @pytest.mark.parametrize("precision", ["float64", "bf16"])
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "no affine"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_fused_step_at_a_world_of_two_is_batchnorm_on_both_ranks_rows(
-        layout, affine, precision):
-    """On the CPU, torch's fused kernels by their stand-ins (which return what the kernels
-    return): the fused step as one rank of 2 that hold the same rows equals nn.BatchNorm on
-    the rows doubled (same_rows_on_two_ranks), within DOUBLED_TOLERANCES."""
+def test_the_fused_step_at_a_world_of_two_is_batchnorm_on_both_ranks_rows(layout, affine,
+                                                                          precision):
+    """On the CPU, on the kernels' stand-ins: the fused step as one rank of 2 that hold the same
+    rows equals nn.BatchNorm on the rows doubled, within DOUBLED_TOLERANCES."""
     with mock.patch.multiple(torch, **KERNELS):
         assert_same_rows_on_two_ranks(layout, affine, precision, "cpu")
 
 
 @pytest.mark.parametrize("dataset", ["textures", "imagefolder"], ids=["held", "streamed"])
 def test_a_ragged_last_batch_never_reaches_the_step(dataset, tiny_folder):
-    """The fused step counts every rank's rows as its own: the ranks must hold as many rows.
-    common.train_batches drops an epoch's remainder: 70 images at batch 20 (held), 72 (the
-    tiny folder, streamed) at 20, at a world of 2: 3 steps, each rank's every batch 10 rows."""
+    """The fused step counts every rank's rows as its own, so common.train_batches drops an
+    epoch's remainder: 70 held or 72 streamed images at batch 20, at a world of 2: 3 steps, each
+    rank's every batch 10 rows."""
     harness = __import__(HARNESS)
     argv = ["--dataset", dataset, "--data-dir", tiny_folder, "--limit-train", "70",
             "--batch-size", "20", "--workers", "0", "--out", "/nonexistent"]
     for rank in range(2):
-        ctx = common.Context(rank, 2, 0, torch.device("cpu"), False)
+        ctx = ctx_for(rank, 2)
         data = common.load_data(harness.parse_args(argv), ctx)
         order = common.epoch_generators(0, 0)[0]
         rows = [len(y) for _, y in common.train_batches(data, 20, order, ctx)]

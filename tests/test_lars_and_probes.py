@@ -10,17 +10,12 @@ import torch.nn as nn
 
 import common
 import moco_simmoco_simco
-from helpers import float64, global_batch_loss, run_distributed, small_network, smoke_args
-from test_runs import flat_tensors
-
-CPU = torch.device("cpu")
+from helpers import (ctx_for, flat_tensors, float64, global_batch_loss, run_distributed,
+                     small_network, smoke_args)
 
 
-def ctx_for(rank, world):
-    return common.Context(rank, world, 0, CPU, amp=False)
 
-
-# ------------------------------------------------------------------------------ LARS
+# ---- LARS
 
 @pytest.mark.parametrize("clip", [False, True])
 def test_lars_takes_the_formulas_step_tensor_by_tensor(float64, clip):
@@ -28,7 +23,7 @@ def test_lars_takes_the_formulas_step_tensor_by_tensor(float64, clip):
         g' = g + wd w,  r = eta ||w|| / ||g'|| (1 where ||w|| = 0),  clip: r = min(r / lr, 1),
         buf <- m buf + r g',  w <- w - lr buf,
     and the 1-D tensors (bias, BatchNorm) that optimizer_groups sets apart take plain SGD steps
-    without weight decay (r = 1). With clip, r / lr passes 1 for some tensors and not others."""
+    without weight decay (r = 1). With clip, r / lr passes 1 for some tensors only."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, 3, bias=False))
     nn.init.zeros_(model[2].weight)  # ||w|| = 0 at the first step: r = 1
@@ -59,17 +54,7 @@ def test_lars_takes_the_formulas_step_tensor_by_tensor(float64, clip):
     assert clipped == ({True, False} if clip else set())
 
 
-def test_lars_groups_keep_batchnorm_and_biases_out_of_decay_and_trust():
-    model = small_network()
-    groups = common.optimizer_groups(model.parameters())
-    adapted = [p for g in groups if g.get("adapt", True) for p in g["params"]]
-    plain = [g for g in groups if not g.get("adapt", True)]
-    assert all(p.ndim > 1 for p in adapted) and len(plain) == 1
-    assert plain[0]["weight_decay"] == 0 and all(p.ndim == 1 for p in plain[0]["params"])
-    assert len(adapted) + len(plain[0]["params"]) == len(list(model.parameters()))
-
-
-# ------------------------------------------------------------------------------ 2 processes
+# ---- 2 processes
 
 LABELS = torch.tensor([0, 1, 2, 0, -1, 1, -1, 2])  # rank 1 holds both unlabelled images
 
@@ -114,9 +99,9 @@ def _worker():
 def test_lars_and_the_online_probe_train_like_one_process(tmp_path):
     """3 steps of LARS on 2 ranks leave the model where 3 steps of one process on the whole batch
     do; the online probe's classifier too: its gradient is the mean over the global batch's
-    labelled views (rank 1 has 2 labelled images of 4, rank 0 all 4), not a mean of rank means."""
+    labelled views (rank 1 has 2 of 4, rank 0 all 4), not a mean of rank means."""
     with float64():
-        model, classifier = _lars_and_online_probe_steps(ctx_for(0, 1), slice(0, 8))
+        model, classifier = _lars_and_online_probe_steps(ctx_for(), slice(0, 8))
     torch.manual_seed(0)
     initial = small_network().state_dict()
     for rank in run_distributed("test_lars_and_probes", "_worker", tmp_path):
@@ -126,16 +111,16 @@ def test_lars_and_the_online_probe_train_like_one_process(tmp_path):
             assert torch.allclose(rank[1][key], value, rtol=0, atol=1e-12), key
     assert max((model[k].double() - initial[k]).abs().max() for k in model) > 1e-3
     with float64():
-        start = common.linear_classifier(32, 3, CPU, 0).weight  # the backbone's 32 features
+        start = common.linear_classifier(32, 3, "cpu", 0).weight  # the backbone's 32 features
     assert (classifier["weight"] - start).abs().max() > 1e-4
 
 
-# ------------------------------------------------------------------------------ online probe
+# ---- online probe
 
 def test_the_online_probe_draws_nothing_from_the_global_rng():
     backbone = common.ResNet("resnet18", 4, 8)
     state = torch.get_rng_state()
-    online_probes(backbone, ctx_for(0, 1))
+    online_probes(backbone, ctx_for())
     assert torch.equal(state, torch.get_rng_state())
 
 
@@ -145,10 +130,9 @@ def checkpoint(out):
 
 def test_the_online_probe_leaves_pre_training_bit_identical(tiny_folder, tmp_path):
     """One epoch (4 steps) with and without --online-probe: every tensor of the model, optimizer,
-    queue / momentum encoder / EMA target is bit-identical (no extra backbone pass in train mode,
-    no draw from the global RNG, no gradient into the backbone). With it, the probe and the
-    momentum encoder's (the DT scripts' --momentum_classifier) are in checkpoint.pt,
-    online_top1 and momentum_online_top1 in the evaluation's metrics line and in results.json."""
+    queue and momentum encoder is bit-identical. With it, the probe and the momentum encoder's
+    (the DT scripts' --momentum_classifier) are in checkpoint.pt, online_top1 and
+    momentum_online_top1 in the evaluation's metrics line and in results.json."""
     extra = ["--method", "mocov2", "--queue-size", "40"]  # queue, key encoder
     run = lambda name, flag: moco_simmoco_simco.main(smoke_args(  # noqa: E731
         tiny_folder, tmp_path / name, flag, *extra, "--linear-epochs", "0"))
@@ -168,7 +152,7 @@ def test_the_online_probe_leaves_pre_training_bit_identical(tiny_folder, tmp_pat
 
 
 class PerTensorLARS(torch.optim.Optimizer):
-    """The LARS step as it was before it was vectorised: one tensor at a time (the reference)."""
+    """The LARS step one tensor at a time (the reference)."""
 
     def __init__(self, groups, lr, momentum, weight_decay, eta, clip):
         super().__init__(groups, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
@@ -193,8 +177,7 @@ class PerTensorLARS(torch.optim.Optimizer):
 def test_lars_equals_the_per_tensor_step_over_20_resnet_steps(clip, monkeypatch):
     """common.LARS (each group's tensors at once) against the per-tensor loop, 20 steps of a
     width-8 ResNet-18 under a falling lr: the same weights to 1e-6. After the first step a step
-    makes no tensor of state: the momentum buffers are the same objects, and zeros_like is never
-    called (it was, for every tensor at every step, as setdefault's argument)."""
+    makes no tensor of state (the same momentum buffers, no zeros_like)."""
     torch.manual_seed(0)
     models = [common.ResNet("resnet18", 8, 16) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
@@ -220,13 +203,11 @@ def test_lars_equals_the_per_tensor_step_over_20_resnet_steps(clip, monkeypatch)
         assert torch.allclose(a, b, rtol=0, atol=1e-6)
 
 
-# ------------------------------------------------------------------------------ ImageNet's memory
+# ---- ImageNet's memory
 
 def overlapping_classes(n, dim=32, classes=10, seed=0):
-    """Unit features of `classes` clusters that overlap (kNN and the
-    probe well above chance, well below 100%): the first n - 1,000
-    rows to train on, 1,000 to test -> (train_f, train_y, test_f,
-    test_y)."""
+    """Unit features of `classes` overlapping clusters: n - 1,000 rows to train on, 1,000 to test
+    -> (train_f, train_y, test_f, test_y)."""
     g = torch.Generator().manual_seed(seed)
     centres = torch.randn(classes, dim, generator=g)
     labels = torch.randint(0, classes, (n,), generator=g)
@@ -236,17 +217,16 @@ def overlapping_classes(n, dim=32, classes=10, seed=0):
 
 
 def test_the_knn_bank_is_float16_and_votes_as_float32_does():
-    """Issue 45: ImageNet's kNN bank in float32 took 10.5 GB a rank
-    for ResNet-50; benchmarks/README.md states float16 (5.2 GB).
-    extract_features returns unit features in float16 (others in
-    float32), and kNN top-1 on the float16 bank is float32's
-    within 3 of 1,000 test images (measured: 92.3 and 84.5 at k = 200 and 1, equal)."""
+    """ImageNet's kNN bank is float16 (5.2 GB a rank for ResNet-50, as benchmarks/README.md
+    states): extract_features returns unit features in float16 (others in float32), and kNN top-1
+    on the float16 bank is float32's within 3 of 1,000 test images (measured: 92.3 and 84.5 at k =
+    200 and 1, equal)."""
     backbone = common.ResNet("resnet18", 4, 8)
     data = SimpleNamespace(mean=(0.5,) * 3, std=(0.25,) * 3, image_size=8)
     images = torch.randint(0, 256, (6, 3, 8, 8), dtype=torch.uint8)
     split = (images, torch.zeros(6, dtype=torch.long))
-    unit, _ = common.extract_features(backbone, split, data, ctx_for(0, 1))
-    raw, _ = common.extract_features(backbone, split, data, ctx_for(0, 1), unit=False)
+    unit, _ = common.extract_features(backbone, split, data, ctx_for())
+    raw, _ = common.extract_features(backbone, split, data, ctx_for(), unit=False)
     assert unit.dtype == torch.float16 and raw.dtype == torch.float32
     train_f, train_y, test_f, test_y = overlapping_classes(6000)
     for k in (200, 1):
@@ -257,12 +237,10 @@ def test_the_knn_bank_is_float16_and_votes_as_float32_does():
 
 
 def test_the_fixed_probe_standardises_a_chunk_of_the_bank_at_a_time():
-    """Issue 45: the fixed probe's torch.std_mean(train_f[rows])
-    copied the bank (a second 10.5 GB on ImageNet). On a bank of
-    40,000 rows (three of common.py's chunks of 16,384) no op of
-    the probe makes a tensor of half the bank's size (seen failing:
-    the copy), and its top-1 on the float16 bank is the float32
-    bank's within 1 point of 1,000 test images (measured: 50.1, equal)."""
+    """On a bank of 40,000 rows (three of common.py's chunks of 16,384) no op of the fixed probe
+    makes a tensor of half the bank's size (a copy of the bank on ImageNet is gigabytes), and its
+    top-1 on the float16 bank is the float32 bank's within 1 point of 1,000 test images (measured:
+    50.1, equal)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Largest(TorchDispatchMode):  # the largest output of any op

@@ -1,31 +1,21 @@
 """Each paper's variants learn: short runs of the real scripts on a generated texture set end far
 above the same network untrained, and the GSG paper's collapse claim shows without a predictor.
-(Each method file's quick start: tests/test_each_method.py.)
+(Each method file's quick start: tests/test_each_method.py.) The identity tests call the loss
+functions; these run each script, two at a time, so they notice a training step that stops the
+network from learning.
 
-The identity tests call the loss functions; these run each script, two at a time, so they notice
-a training step that stops the network from learning. Data: --dataset textures
-(common.texture_images from --seed: 5 texture classes, 2,000 training and 500 validation
-images of 20 px, held on the device).
-Network: ResNet-18 at width 8 with 256-64 heads, batch 32, 2-6 epochs (125-375 steps), seed 2,
-one CPU thread: every run is deterministic.
+Data: --dataset textures (5 classes, 2,000 training and 500 validation images of 20 px). Network:
+ResNet-18 at width 8 with 256-64 heads, batch 32, 2-6 epochs, seed 2, one CPU thread: every run is
+deterministic. The settings are this file's choices for runs of a few hundred steps, not the
+papers': no warm-up, --lr 0.3 per 256 images (1.0 for MoCo v2 and SimMoCo, 0.6 for SimSiam and
+BYOL, which learn slowest), a 64-key queue and a 512-row support set (longer ones would hold
+mostly their random initial rows, or keys of the anchor's own class), BYOL's target momentum 0.9
+(at 0.99 the target barely leaves its random start in 250 steps).
 
-The settings are this file's choices for runs of a few hundred steps, not the papers': no warm-up,
---lr 0.3 per 256 images (1.0 for MoCo v2 and SimMoCo, 0.6 for SimSiam and BYOL, which learn
-slowest), a 64-key queue and a 512-row support set (at 65,536 and 16,384 rows they would hold
-mostly their random initial rows, and with 5 classes a long queue fills the negatives with keys
-of the anchor's own class), BYOL's target momentum 0.9 (at 0.99 the target barely leaves its
-random start in 250 steps).
-
-Measured before choosing MARGIN (2026-12-07, torch 2.14.1, an AVX-512 AMD EPYC; the table is in
-benchmarks/README.md): every run of seed 2, used here, natively at 1 and 2 threads and at one
-thread with ATEN_CPU_CAPABILITY=default or avx2 and with DNNL_MAX_CPU_ISA=SSE41 or AVX2 (avx512 and
-AVX512_CORE, tried on guided BYOL, give the native run); seeds 0 and 1 natively at one thread.
-Untrained kNN top-1 44.0-54.6% (SimSiam/BYOL's network, whose residual branches start at zero:
-56.8-66.8%); every variant 17.6-55.2 points above its script's untrained network (the least: MoCo
-v2 with ATEN_CPU_CAPABILITY=avx2). Guided BYOL trains 3 epochs (18.0-34.6 points): at 2 it gained
-5.0 natively and with ATEN_CPU_CAPABILITY=avx2 (both on oneDNN's AVX-512 convolutions), no more
-than its broken steps below. Symmetric SimSiam and BYOL train 6 epochs: at 4, seed 2 gave 77.2% and
-71.2% against 66.8% untrained (2026-12-06).
+MARGIN's source: benchmarks/README.md, "The learning tests' margin" (seeds 0-2, 1 and 2 threads,
+lowered CPU ISAs): every variant gained 17.6-55.2 points; guided BYOL at 2 epochs gained only 5.0
+on some paths, so it trains 3 (18.0-34.6); symmetric SimSiam and BYOL at 4 epochs gave 77.2% and
+71.2% against 66.8% untrained (seed 2, 2026-12-06), so they train 6.
 """
 import json
 import os
@@ -67,14 +57,14 @@ RUNS = {  # name -> (script module, options after SHARED)
 # branches (SimSiam's builder), the others' do not
 for module in {module for module, _ in RUNS.values()}:
     RUNS[f"untrained-{module.__name__}"] = (module, ["--epochs", "0"])
-VARIANTS = [name for name in RUNS if not name.startswith("untrained") and "no-predictor" not in name]
+VARIANTS = [name for name in RUNS
+            if not name.startswith("untrained") and "no-predictor" not in name]
 
 
 @pytest.fixture(scope="module")
 def trained(request, tmp_path_factory):
-    """trained(name) -> (results.json, metrics.jsonl records) of that run. At the first call the
-    runs the selected tests need are made (each variant's and its script's untrained network), as
-    the script's own process at one thread, two at a time: the machine's two cores."""
+    """trained(name) -> (results.json, metrics.jsonl records) of that run. The first call makes
+    the runs the selected tests need (and their scripts' untrained networks), two at a time."""
     root = tmp_path_factory.mktemp("learning")
     names = set()
     for item in request.session.items:
@@ -116,17 +106,14 @@ class _NONE:
 def test_each_variant_ends_above_the_untrained_network(name, trained):
     """kNN top-1 (k=200) after training >= the same network untrained (--epochs 0) + MARGIN.
 
-    Guards a training step that does not learn. Broken on purpose in a scratch copy (seed 2), these
-    fail it: no optimizer.step() (SimCLR-DCL/DCLW: 48.4% vs 44.6% untrained); SimSiam's symmetric
-    loss without its stop-gradient (46.8% vs 65.0%); the same view fed to the loss twice in SimSiam
-    and BYOL, symmetric or guided (67.0-72.2%; guided BYOL at 3 epochs 66.0-66.4% vs 66.8%);
-    guided's case choice reversed (65.6-68.0%; guided BYOL at 3 epochs, --stopgrad reverse,
-    67.6-68.8%). Guided BYOL's two breaks ran natively and with DNNL_MAX_CPU_ISA=AVX2.
-    Not caught at this scale: the same view twice in SimCLR, MoCo v2, SimMoCo, SimCo and NNCLR
-    (60.6-75.6% vs 46.2%: single-view contrastive training alone lifts kNN that much here; the
-    two-views test below catches it); a frozen BYOL target or MoCo key encoder, an NNCLR support
-    set never written, guided SimSiam without stop-gradients (79-88%: these still learn, as
-    against a random target).
+    Broken on purpose (seed 2), these fail it: no optimizer.step() (SimCLR-DCL/DCLW: 48.4% vs
+    44.6% untrained); SimSiam's symmetric loss without its stop-gradient (46.8% vs 65.0%); the
+    same view fed to the loss twice in SimSiam and BYOL (67.0-72.2%; guided BYOL at 3 epochs
+    66.0-66.4% vs 66.8%); guided's case choice reversed (65.6-68.0%; guided BYOL, 67.6-68.8%),
+    natively and with DNNL_MAX_CPU_ISA=AVX2. Not caught at this scale: the same view twice in the
+    contrastive methods (60.6-75.6% vs 46.2%; the two-views test below catches it); a frozen BYOL
+    target or MoCo key encoder, an NNCLR support set never written, guided SimSiam without
+    stop-gradients (79-88%: these still learn, as against a random target).
     """
     untrained = trained(f"untrained-{RUNS[name][0].__name__}")[0]["knn_top1"]
     knn = trained(name)[0]["knn_top1"]
@@ -137,13 +124,11 @@ def test_gsg_without_predictor_symmetric_collapses_guided_does_not(trained):
     """GSG Sec. 6.2: without a predictor SimSiam collapses; with guided stop-gradient it does not.
 
     Measured by proj_std, the std over the batch of z/|z| (1/sqrt(D) = 0.125 when spread, 0 when
-    collapsed), per epoch from metrics.jsonl. Over 3 epochs, on the float paths and seeds of the
-    module docstring, symmetric SimSiam's falls every epoch, 0.117-0.123 -> 0.065-0.091, while
-    guided SimSiam's stays at 0.120-0.125. The projector's last BatchNorm keeps each coordinate
-    spread, so at this scale the collapse is a steady fall, not a drop to 0.
-    Broken on purpose (seed 2): the same view fed to the loss twice keeps symmetric's at 0.1255
-    (fails the first assertion); guided without its stop-gradients, or with its case choice
-    reversed (3 - argmin), falls to 0.051 and 0.057 (fails the second).
+    collapsed), per epoch. Over 3 epochs, on the module docstring's float paths and seeds,
+    symmetric SimSiam's falls every epoch, 0.117-0.123 -> 0.065-0.091 (the projector's last
+    BatchNorm keeps it from 0 at this scale), while guided's stays at 0.120-0.125. Broken on
+    purpose (seed 2): the same view twice keeps symmetric's at 0.1255; guided without its
+    stop-gradients, or with its case choice reversed, falls to 0.051 and 0.057.
     """
     symmetric = [r["proj_std"] for r in trained("simsiam-symmetric-no-predictor")[1]]
     guided = [r["proj_std"] for r in trained("simsiam-guided-no-predictor")[1]]
@@ -168,14 +153,10 @@ TWO_VIEWS = {
 
 @pytest.mark.parametrize("name", TWO_VIEWS)
 def test_the_loss_gets_two_different_views_of_each_image(name, tiny_folder, tmp_path, monkeypatch):
-    """Each image's two embeddings in the loss come from two augmentations, not one view twice.
-
-    The test above misses that break for the contrastive methods (training on one view still lifts
-    kNN far above the untrained network on the textures), so this one records the loss's arguments
-    in the first step of a real run and compares them as unit vectors: one view twice makes them
-    equal to rounding there (the same weights on the same input; MoCo's key encoder starts as a
-    copy). Broken on purpose (views[0] for both views in each train_step), every case fails.
-    """
+    """Each image's two embeddings in the loss come from two augmentations, not one view twice
+    (which the test above misses for the contrastive methods): the loss's arguments in the first
+    step of a real run, as unit vectors, differ; one view twice makes them equal to rounding (the
+    same weights on the same input; MoCo's key encoder starts as a copy)."""
     module, loss_name, options, pairs = TWO_VIEWS[name]
     loss_fn, calls = getattr(module, loss_name), []
 

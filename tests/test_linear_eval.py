@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import common
-from helpers import (ROOT, check_run_folder, harness_module, run_distributed, run_script,
+from helpers import (ROOT, check_run_folder, ctx_for, harness_module, run_distributed, run_ok,
                      smoke_args)
-from test_lars_and_probes import ctx_for
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import linear_eval  # noqa: E402
@@ -19,7 +18,7 @@ import linear_eval  # noqa: E402
 def streamed(folder):
     """The tiny folder, streamed: 72 training, 18 validation images."""
     args = harness_module().parse_args(smoke_args(folder, "unused"))
-    data = common.load_data(args, ctx_for(0, 1))
+    data = common.load_data(args, ctx_for())
     assert data.streaming
     return data
 
@@ -46,11 +45,10 @@ def _worker(folder):
 
 
 def test_the_streamed_probe_on_two_processes_equals_one(tiny_folder, tmp_path):
-    """The moco protocol on a streamed folder (workers decode and crop) trains the same
-    classifier on 2 ranks as on one: each rank crops its rows as one process would, and the
-    gradient is the global batch's mean."""
+    """The moco protocol on a streamed folder trains the same classifier on 2 ranks as on one:
+    each rank crops its rows as one process would, and the gradient is the global batch's mean."""
     ranks = run_distributed("test_linear_eval", "_worker", tmp_path, tiny_folder)
-    single, top1 = probe(streamed(tiny_folder), ctx_for(0, 1))
+    single, top1 = probe(streamed(tiny_folder), ctx_for())
     for classifier, rank_top1 in ranks:
         assert rank_top1 == top1
         for key, value in single.items():
@@ -66,7 +64,7 @@ def test_every_protocol_leaves_the_backbone_bit_identical(tiny_folder):
     backbone = common.ResNet("resnet18", 8, 16)
     before = {k: v.clone() for k, v in backbone.state_dict().items()}
     for protocol in linear_eval.PROTOCOLS:
-        probe(data, ctx_for(0, 1), protocol, backbone.train())
+        probe(data, ctx_for(), protocol, backbone.train())
         for key, value in backbone.state_dict().items():
             assert torch.equal(before[key], value), (protocol, key)
 
@@ -88,9 +86,9 @@ def finished_run(tiny_folder, tmp_path_factory):
 
 
 def test_a_finished_streamed_run_gets_its_linear_json(finished_run, monkeypatch):
-    """An image folder streams (DataLoader workers decode and crop) a whole run, its fixed probe
-    too; main() on it decodes the 18 validation images once and a crop of each training image an
-    epoch, and writes linear_gsg-cifar.json, whose top-1 counts the 18."""
+    """A streamed run, its fixed probe too; main() on it decodes the 18 validation images once
+    and a crop of each training image an epoch, and writes linear_gsg-cifar.json, whose top-1
+    counts the 18."""
     _, _, results = check_run_folder(finished_run, epochs=1)
     assert 0 <= results["linear_top1"] <= 100
     decoded = []
@@ -109,8 +107,7 @@ def test_the_command_on_a_finished_run_writes_linear_moco_json(finished_run):
     """`python benchmarks/linear_eval.py RUN --protocol moco --epochs 1`, a process of its own,
     writes RUN/linear_moco.json and says so."""
     argv = [finished_run, "--protocol", "moco", "--epochs", 1]
-    done = run_script("benchmarks/linear_eval.py", argv)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_ok("benchmarks/linear_eval.py", argv)
     path = finished_run / "linear_moco.json"
     saved = json.load(open(path))
     assert (saved["protocol"], saved["epochs"]) == ("moco", 1)

@@ -6,7 +6,6 @@ the predictions p, the only path by which the loss trains the network.
 """
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -14,7 +13,8 @@ import torch.nn.functional as F
 
 import common
 import nnclr_dcl
-from helpers import check_run_folder, identity, run_distributed, run_script, smoke_args
+from helpers import (check_run_folder, ctx_for, identity, run_distributed, run_ok,
+                     smoke_args)
 from nnclr_dcl import SupportSet, dclw_weights, nearest_neighbour, nnclr_loss
 
 TAU = 0.1
@@ -78,7 +78,7 @@ def prediction_gradients(z1, z2, p1, p2, support_set, anchor, loss, sigma=0.5):
     return p1.grad, p2.grad
 
 
-# ------------------------------------------------------------------------------ identities
+# ---- identities
 
 def test_nearest_neighbour_is_the_most_cosine_similar_support_row():
     """NN(z) = argmax_{s in Q} <z, s> over unit rows: a row of Q itself, whatever the norm of z."""
@@ -116,8 +116,8 @@ def test_support_set_holding_the_batch_gives_the_plain_loss(loss):
 
 @pytest.mark.parametrize("loss", ["infonce", "dcl", "dclw"])
 def test_loss_equals_a_per_anchor_loop_with_nn_positives(loss):
-    """With a support set of other vectors, the masked loss equals the anchor-by-anchor formula
-    with the brute-force neighbours as anchors: each anchor's value, the mean and the gradient."""
+    """With a support set of other vectors, the masked loss is the anchor-by-anchor formula with
+    the brute-force neighbours as anchors: each anchor's value, the mean and the gradient."""
     z1, z2, p1, p2 = views_and_predictions(seed=3)
     support_set = random_support_set(seed=4)
     nn1, nn2 = brute_force_nn(z1, support_set), brute_force_nn(z2, support_set)
@@ -216,11 +216,11 @@ def test_no_gradient_into_the_support_set_or_through_the_lookup():
     assert p1.grad.abs().max() > 1e-3 and p2.grad.abs().max() > 1e-3
 
 
-# ------------------------------------------------------------------------------ support set
+# ---- support set
 
 def test_support_set_is_a_fifo_that_wraps_around_without_dropping_rows():
-    """Rows enter in order; past the end they wrap to the front, overwriting the oldest rows, and
-    every row of a batch is kept. Stored rows carry no autograd history."""
+    """Rows enter in order; past the end they wrap to the front, over the oldest rows, and every
+    row of a batch is kept, without autograd history."""
     support = SupportSet(5, 2)
     assert (support.labels == -1).all()
     torch.testing.assert_close(support.rows.norm(dim=1), torch.ones(5), rtol=1e-5, atol=1e-8)
@@ -261,33 +261,29 @@ def step_args(loss="dclw"):
     return type("Args", (), {"temperature": TAU, "loss": loss, "sigma": 0.5})
 
 
-def test_train_step_minimises_nnclr_loss_then_enqueues_z1_and_counts_same_class_neighbours():
-    """train_step's loss is nnclr_loss of the model's z, p (one forward pass per view, so a joint
-    pass with other BatchNorm statistics fails) against the support set before the step;
-    afterwards the support set holds the batch's unit z^(1) at its pointer; the diagnostic counts
-    labelled anchors (label >= 0) whose neighbour has their label."""
-    torch.set_default_dtype(torch.float64)
-    try:
-        model = tiny_model()
-        ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        g = torch.Generator().manual_seed(16)
-        views = [torch.randn(6, 3, 8, 8, generator=g) for _ in range(2)]
-        labels = torch.tensor([0, 1, 2, 0, -1, 1])
-        support = SupportSet(10, 8, seed=3)
-        support.labels[:] = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
-        before = support.rows.clone()
-        (z1, p1), (z2, p2) = model(views[0]), model(views[1])  # one BatchNorm batch per view
-        expect = nnclr_loss(z1, z2, p1, p2, before, TAU, "dclw")
-        z = F.normalize(torch.cat([z1, z2]).detach(), dim=1)
-        nn_rows = (z @ before.T).argmax(1)
-        anchor_labels = labels.repeat(2)
-        expect_same = sum(int(a >= 0 and support.labels[r] == a)
-                          for a, r in zip(anchor_labels.tolist(), nn_rows.tolist()))
-        loss, same_class, labelled = nnclr_dcl.train_step(model, optimizer, views, step_args(), ctx,
-                                                          labels, support)
-    finally:
-        torch.set_default_dtype(torch.float32)
+def test_train_step_minimises_nnclr_loss_then_enqueues_z1_and_counts_same_class_neighbours(
+        float64):
+    """train_step's loss is nnclr_loss of the model's z, p (one forward pass per view) against the
+    support set before the step; afterwards the support set holds the batch's unit z^(1) at its
+    pointer; the diagnostic counts labelled anchors whose neighbour has their label."""
+    model = tiny_model()
+    ctx = ctx_for()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(16)
+    views = [torch.randn(6, 3, 8, 8, generator=g) for _ in range(2)]
+    labels = torch.tensor([0, 1, 2, 0, -1, 1])
+    support = SupportSet(10, 8, seed=3)
+    support.labels[:] = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
+    before = support.rows.clone()
+    (z1, p1), (z2, p2) = model(views[0]), model(views[1])  # one BatchNorm batch per view
+    expect = nnclr_loss(z1, z2, p1, p2, before, TAU, "dclw")
+    z = F.normalize(torch.cat([z1, z2]).detach(), dim=1)
+    nn_rows = (z @ before.T).argmax(1)
+    anchor_labels = labels.repeat(2)
+    expect_same = sum(int(a >= 0 and support.labels[r] == a)
+                      for a, r in zip(anchor_labels.tolist(), nn_rows.tolist()))
+    loss, same_class, labelled = nnclr_dcl.train_step(model, optimizer, views, step_args(), ctx,
+                                                      labels, support)
     torch.testing.assert_close(loss, expect, rtol=1e-5, atol=1e-12)
     assert same_class.item() == expect_same and labelled.item() == 10
     assert support.ptr == 6
@@ -296,7 +292,7 @@ def test_train_step_minimises_nnclr_loss_then_enqueues_z1_and_counts_same_class_
     assert support.labels[:6].tolist() == labels.tolist()
 
 
-# ------------------------------------------------------------------------ 2 processes == 1 process
+# ---- 2 processes == 1 process
 
 def _global_batch(seed=17, n=8, d=8):
     z1, z2, p1, p2 = views_and_predictions(b=n, d=d, seed=seed)
@@ -316,8 +312,8 @@ def _loss_and_grads(z1, z2, p1, p2, support_set):
 
 
 def _train_three_steps(ctx, rows):
-    """3 real train_steps (DCLW) on a width-4 model, float64, support set of 12 rows and a global
-    batch of 8 (so it wraps); returns parameters, support set, losses and diagnostic counts."""
+    """3 real train_steps (DCLW), float64, a support set of 12 rows and a global batch of 8 (so it
+    wraps) -> parameters, support set, losses and diagnostic counts."""
     model = tiny_model()
     net = common.distribute(model, ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=5e-4)
@@ -342,7 +338,7 @@ def _worker():
     support = SupportSet(12, 8)
     support.push(common.gather(z1[rows]), common.gather(torch.arange(8)[rows]))
     support.push(common.gather(z2[rows]), common.gather(torch.arange(8, 16)[rows]))
-    ctx = common.Context(rank, 2, 0, torch.device("cpu"), amp=False)
+    ctx = ctx_for(rank, 2)
     return {"losses": losses, "push": support.state_dict(), "train": _train_three_steps(ctx, rows)}
 
 
@@ -371,8 +367,8 @@ def test_two_processes_give_the_loss_and_gradients_of_one(two_processes):
 
 
 def test_support_set_takes_every_ranks_rows(two_processes):
-    """After two pushes of a global batch of 8 into 12 rows, both ranks hold the support set of one
-    process pushing all 8 rows each time: rank 0's rows then rank 1's, the second batch wrapped."""
+    """After two pushes of a global batch of 8 into 12 rows, both ranks hold one process's support
+    set: rank 0's rows then rank 1's, the second batch wrapped."""
     z1, z2, *_ = _global_batch()
     single = SupportSet(12, 8).double()
     single.push(z1, torch.arange(8))
@@ -384,16 +380,12 @@ def test_support_set_takes_every_ranks_rows(two_processes):
         torch.testing.assert_close(rank["push"]["rows"], single.rows, rtol=0, atol=0)
 
 
-def test_two_processes_train_like_one_process(two_processes):
+def test_two_processes_train_like_one_process(two_processes, float64):
     """3 DDP steps on 2 ranks (global BatchNorm, gathered predictions, global support set and DCLW
     weights) leave the model and the support set where 3 steps of one process leave them."""
-    torch.set_default_dtype(torch.float64)
-    try:
-        ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
-        params, support, history = _train_three_steps(ctx, slice(0, 8))
-        initial = tiny_model().state_dict()
-    finally:
-        torch.set_default_dtype(torch.float32)
+    ctx = ctx_for()
+    params, support, history = _train_three_steps(ctx, slice(0, 8))
+    initial = tiny_model().state_dict()
     moved = 0.0
     for rank_params, rank_support, rank_history in (r["train"] for r in two_processes):
         for key, value in params.items():
@@ -411,7 +403,7 @@ def test_two_processes_train_like_one_process(two_processes):
     assert history[1:, 1].sum() > 0  # and some neighbours match
 
 
-# ------------------------------------------------------------------------------ runs
+# ---- runs
 
 def tiny_run(folder, out, *extra):
     return smoke_args(folder, out, *SMALL_HEADS, "--support-size", "40", *extra)
@@ -423,7 +415,7 @@ def test_a_support_set_smaller_than_the_batch_is_a_user_error(tiny_folder, tmp_p
 
 
 def test_infonce_run_in_process(tiny_folder, tmp_path):
-    """The plain NNCLR loss through main(); dcl runs in the resume test, dclw in the smoke test."""
+    """The plain NNCLR loss through main() (dcl: the resume test, dclw: the smoke test)."""
     nnclr_dcl.main(tiny_run(tiny_folder, tmp_path, "--loss", "infonce"))
     _, lines, results = check_run_folder(tmp_path, 1)
     assert {"nn_same_class", "knn_top1", "images_per_s", "lr"} <= lines[0].keys()
@@ -433,16 +425,12 @@ def test_infonce_run_in_process(tiny_folder, tmp_path):
 def test_smoke_python_and_torchrun_agree(tiny_folder, tmp_path):
     """The acceptance run with --loss dclw, as `python` and as `torchrun --nproc_per_node=2`: both
     write the run folder with the neighbour diagnostic, and take the same steps. (One epoch of 2
-    steps: in float32 the tiny width-8 network amplifies rounding differences through the support
-    set from step to step, a neighbour flips, and by the third LARS step the losses differ by 1%;
-    exact equality is the float64 test above.)"""
+    steps: in float32 rounding grows through the support set, a neighbour flips, and by the third
+    step the losses differ by 1%; exact equality is the float64 test above.)"""
     args = lambda out: tiny_run(tiny_folder, out, "--loss", "dclw", "--limit-train", "32")
-    one = run_script("nnclr_dcl.py", args(tmp_path / "one"))
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = run_script("nnclr_dcl.py", args(tmp_path / "two"), nproc=2)
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert "final: command nnclr_dcl.py " in one.stdout
-    assert " linear_top1 " in one.stdout
+    one = run_ok("nnclr_dcl.py", args(tmp_path / "one"))
+    run_ok("nnclr_dcl.py", args(tmp_path / "two"), nproc=2)
+    assert "final: command nnclr_dcl.py " in one.stdout and " linear_top1 " in one.stdout
     _, (line1,), _ = check_run_folder(tmp_path / "one", 1)
     _, (line2,), _ = check_run_folder(tmp_path / "two", 1)
     assert abs(line1["loss"] - line2["loss"]) < 1e-4
@@ -457,9 +445,8 @@ def test_smoke_python_and_torchrun_agree(tiny_folder, tmp_path):
 
 
 def test_a_resumed_run_keeps_its_support_set_exactly(tiny_folder, tmp_path):
-    """A support set of 40 rows (it wraps within the epoch): stopped in epoch 2 and resumed,
-    every tensor (the support set's rows, labels and pointer among them) and loss as
-    uninterrupted."""
+    """A support set of 40 rows (it wraps within the epoch): stopped in epoch 2 and continued, the
+    run ends as uninterrupted, the support set's rows, labels and pointer among its tensors."""
     from test_runs import resume_is_exact
 
     resume_is_exact("nnclr_dcl", ["--support-size", "40", "--proj-hidden", "32", "--proj-dim",

@@ -1,10 +1,8 @@
-"""A run survives its scheduler: a checkpoint at each epoch's end; a lost process in epoch 2 of a
-2-process run loses only that epoch, and the same command then continues to the end of an
-uninterrupted run, bit for bit; a finished run or another command changes nothing in the folder.
-Each method file killed in epoch 2 at one process: tests/test_each_method.py. The runs are real
-processes (no fork of this one)."""
+"""A run survives its scheduler: a lost process in epoch 2 of a 2-process run loses only that epoch,
+and the same command then ends as an uninterrupted run, bit for bit; a finished run or another
+command changes nothing in the folder (each method file killed at one process:
+tests/test_each_method.py)."""
 
-import json
 import os
 import subprocess
 import sys
@@ -13,11 +11,9 @@ import pytest
 import torch
 
 import common
-from helpers import HARNESS, ROOT, _env, harness_module, tiny, torchrun
+from helpers import HARNESS, ROOT, _env, harness_module, run_ok, same_run, tiny, torchrun
 from test_common import fails_with
-from test_runs import flat_tensors
 
-# 64 images, batch 16: 4 steps an epoch, 2 epochs
 harness = harness_module()  # the README's first quick-start script
 
 KILLER = os.path.join(ROOT, "tests", "kill_at_step.py")
@@ -36,38 +32,16 @@ def killed(script, argv, rank, call, nproc=1):
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
 
 
-def same_run(a, b):
-    """Two finished run folders alike: results.json (but the command's --out), backbone.pt's and
-    the last checkpoint's tensors, every epoch's loss."""
-    results = [json.loads((run / "results.json").read_text()) for run in (a, b)]
-    commands = [r.pop("command").split(" --out ") for r in results]
-    assert commands[0][0] == commands[1][0] and results[0] == results[1]
-    for name in ("backbone.pt", "checkpoint.pt"):
-        x = flat_tensors(torch.load(a / name, weights_only=True))
-        y = flat_tensors(torch.load(b / name, weights_only=True))
-        assert x.keys() == y.keys() and len(x) > 10, name
-        assert all(torch.equal(x[k], y[k]) for k in x), name
-    losses = [[json.loads(line)["loss"] for line in open(run / "metrics.jsonl")] for run in (a, b)]
-    assert losses[0] == losses[1] and len(losses[0]) == 2
-
-
 def test_two_processes_killed_in_epoch_2_continue_bit_for_bit(tmp_path):
     """torchrun, 2 processes: rank 1 killed (SIGKILL, a lost node) in epoch 2's third step ends
-    the run with a non-zero status; epoch 1's checkpoint is kept, and the same command then ends
-    as an uninterrupted 2-process run, bit for bit."""
-    script = os.path.join(ROOT, f"{HARNESS}.py")
-    straight = subprocess.run(
-        torchrun(2) + [script] + command(HARNESS, tmp_path / "straight"),
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    the run; epoch 1's checkpoint is kept, and the same command then ends as an uninterrupted
+    2-process run, bit for bit."""
+    run_ok(f"{HARNESS}.py", command(HARNESS, tmp_path / "straight"), nproc=2)
     out = tmp_path / "run"
     argv = command(HARNESS, out)
-    kill = killed(HARNESS, argv, 1, 7, nproc=2)
-    assert kill.returncode != 0
+    assert killed(HARNESS, argv, 1, 7, nproc=2).returncode != 0
     assert torch.load(out / "checkpoint.pt", weights_only=True)["epoch"] == 1
-    again = subprocess.run(torchrun(2) + [script] + argv,
-                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stderr[-3000:]
+    again = run_ok(f"{HARNESS}.py", argv, nproc=2)
     assert f"continuing {out} from epoch 2" in again.stdout
     same_run(tmp_path / "straight", out)
 

@@ -1,8 +1,7 @@
 """README.md states what the code does: the functions its "where each idea lives" table names exist,
 each settings table's values are the parsers' defaults, the linear protocols are the code's, its
-DCLW weight is the one dclw_weights computes, each
-paper's path to learn it selects the tests it promises, and "Adding a method" lists every rule the
-tests hold a method file to."""
+DCLW weight is the one dclw_weights computes, each paper's path to learn it selects the tests it
+promises, and "Adding a method" lists every rule the tests hold a method file to."""
 import argparse
 import ast
 import importlib
@@ -21,7 +20,7 @@ import simclr_dcl
 from helpers import METHODS, ROOT, TESTS
 
 SCRIPTS = METHODS
-# the paper identities and changes the table must map to code (issue 24), by words of their row
+# the paper identities and changes the table must map to code, by words of their row
 IDEAS = ("DCL Prop. 2", "DCLW weight", "DT Eq. 4", "DT Eq. 9", "GSG Eq. 6", "NNCLR's support set",
          "the gather's backward", "GlobalBatchNorm", "online linear probe", "LARS",
          "colour jitter in a random order")
@@ -60,7 +59,7 @@ def default_args(script):
     return importlib.import_module(script).parse_args([])
 
 
-# ------------------------------------------------------------------------------ the idea table
+# ---- the idea table
 
 def idea_rows():
     (header, rows), = tables(section(readme(), "## Where each idea lives"))
@@ -91,14 +90,12 @@ def test_the_quick_start_opens_with_a_textures_run_of_every_script(script):
         assert low <= mid <= high, line
 
 
-def test_where_each_idea_lives_has_a_row_per_paper_identity():
-    ideas = [idea for idea, _, _ in idea_rows()]
+def test_the_idea_table_has_a_row_per_paper_identity_naming_existing_functions(monkeypatch):
+    """A row for each of IDEAS; every file and function a row names exists."""
+    rows = idea_rows()
     for words in IDEAS:
-        assert any(words in idea for idea in ideas), f"no row for {words!r}"
-
-
-def test_every_file_and_function_the_idea_table_names_exists(monkeypatch):
-    for idea, file_cell, function_cell in idea_rows():
+        assert any(words in idea for idea, _, _ in rows), f"no row for {words!r}"
+    for idea, file_cell, function_cell in rows:
         (file,) = code_spans(file_cell)
         assert os.path.isfile(os.path.join(ROOT, file)), (idea, file)
         names = code_spans(function_cell)
@@ -112,7 +109,7 @@ def test_every_file_and_function_the_idea_table_names_exists(monkeypatch):
             assert callable(thing), (idea, name)
 
 
-# ------------------------------------------------------------------------------ settings tables
+# ---- settings tables
 
 def settings_tables():
     """{script or "common": [(options, values)]} from the Settings section's tables."""
@@ -154,31 +151,25 @@ def mismatches(stated, args, script):
 
 @pytest.mark.rule("settings-table")
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_settings_tables_state_each_scripts_parser_defaults(script):
+def test_settings_tables_state_each_scripts_parser_defaults_and_every_one_it_sets(script):
     """Each `--option` row of the script's table is its parse_args([]) default; the common
-    table's rows hold for it where its own table does not state that option."""
+    table's rows hold for it where its own table does not state that option. A default the script
+    sets (one the shared parser lacks or sets otherwise) has its row, so no setting can be added
+    or changed without the README."""
     stated = settings_tables()
     assert set(stated) == {"common", *SCRIPTS}
     own = {option for option, _ in stated[script]}
     shared = [(o, v) for o, v in stated["common"] if o not in own]
     wrong = mismatches(stated[script] + shared, default_args(script), script)
     assert not wrong, "\n".join(wrong)
-
-
-@pytest.mark.rule("settings-table")
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_every_default_a_script_sets_is_in_its_settings_table(script):
-    """A default the script sets (one the shared parser lacks or sets otherwise) has its row, so
-    no setting can be added or changed without the README."""
-    shared = argparse.ArgumentParser()
-    common.add_common_args(shared)
-    base = vars(shared.parse_args([]))
-    own = {option[2:].replace("-", "_") for option, _ in settings_tables()[script]}
+    parser = argparse.ArgumentParser()
+    common.add_common_args(parser)
+    base = vars(parser.parse_args([]))
     for dest, value in vars(default_args(script)).items():
         if dest in ("out", "script", "argv") or value is None or value is False:
             continue  # the run folder, the command line; options off unless given
         if dest not in base or base[dest] != value:
-            assert dest in own, f"{script}.py sets --{dest.replace('_', '-')} {value!r}"
+            assert f"--{dest.replace('_', '-')}" in own, f"{script}.py sets --{dest} {value!r}"
 
 
 def test_linear_eval_protocol_table_is_the_codes():
@@ -194,7 +185,7 @@ def test_linear_eval_protocol_table_is_the_codes():
         assert stated == [own[k] for k in ("optimizer", "lr", "epochs", "batch", "schedule")], row
 
 
-# ------------------------------------------------------------------------------ formulas
+# ---- formulas
 
 DCLW_WEIGHT = "w_i = 2 - exp(s_i / sigma) / mean_j exp(s_j / sigma)"
 
@@ -225,7 +216,7 @@ def test_dclw_weight_as_the_readme_writes_it_is_dclw_weights(sigma):
     assert torch.allclose(simclr_dcl.dclw_weights(s, sigma), readme_w, atol=1e-12)
 
 
-# ------------------------------------------------------------------ adding a method
+# ---- adding a method
 
 def rules_the_tests_hold():
     """{name: [test, ...]} of every `@pytest.mark.rule(name)` on a test in tests/."""
@@ -244,8 +235,7 @@ def rules_the_tests_hold():
 
 def test_adding_a_method_lists_every_rule_the_tests_hold_a_method_file_to():
     """"Adding a method" is a checklist, a line `- `NAME`: ...` for each rule some test holds
-    every method file to (`@pytest.mark.rule(NAME)`), and no other: a rule added to a test
-    without its line, or a line whose tests are gone, fails here."""
+    every method file to (`@pytest.mark.rule(NAME)`), and no other."""
     listed = re.findall(r"^- `([a-z0-9-]+)`", section(readme(), "## Adding a method"), re.M)
     held = rules_the_tests_hold()
     assert len(listed) == len(set(listed)), listed
@@ -253,11 +243,11 @@ def test_adding_a_method_lists_every_rule_the_tests_hold_a_method_file_to():
     assert not set(listed) - set(held), f"README lines no test holds: {set(listed) - set(held)}"
 
 
-# ------------------------------------------------------------------ the two commands
+# ---- the two commands
 
 def test_ci_runs_exactly_the_readmes_install_and_test_commands():
     """.ci/run's commands are lines of the README's code blocks, word for word: CI then fails
-    whenever a newcomer following the README would (a missing install step shows)."""
+    whenever a newcomer following the README would."""
     with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
         ci = [line.strip() for line in f if line.strip()]
     commands = [line for line in ci if not line.startswith(("#", "set ", "cd "))]
@@ -269,11 +259,11 @@ def test_ci_runs_exactly_the_readmes_install_and_test_commands():
     assert not missing, f".ci/run runs {missing}, which the README does not show"
 
 
-# ------------------------------------------------------------------ the paths to learn each paper
+# ---- the paths to learn each paper
 
 def selected(node_ids, expression):
-    """The node ids `pytest -k "word or word ..."` keeps: pytest matches each word,
-    case-insensitively, in the names of the test and its parents, which its node id holds."""
+    """The node ids `pytest -k "word or word ..."` keeps: each word matched, case-insensitively,
+    in the node id."""
     words = expression.split(" or ")
     assert all(re.fullmatch(r"\w+", word) for word in words), f"-k {expression}: words joined by or"
     return [node for node in node_ids if any(word.lower() in node.lower() for word in words)]
@@ -281,7 +271,7 @@ def selected(node_ids, expression):
 
 def test_each_path_to_learn_a_paper_selects_the_tests_it_promises():
     """Each "A path to learn it" pytest command, `-k` and all, selects as many tests as the
-    `N passed` the README says it prints: a renamed or added identity test shows."""
+    `N passed` the README says it prints."""
     command = r'`python -m pytest -q (tests/\S+) -k ("[^"]+"|\S+)` prints `(\d+) passed`'
     promised = re.findall(command, squeeze(readme()))
     assert len(promised) == 3, promised  # DCL, DT, GSG

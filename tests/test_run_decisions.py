@@ -1,6 +1,6 @@
 """A run's decisions: "the same command" as the same options once parsed, each split's features
-extracted once at the end, and --device's mistakes as one line (tiny runs of the harness script
-on CPU). Rank 0 decides for every rank: tests/test_preemption.py, at 2 processes."""
+extracted once at the end, and --device's mistakes as one line (tiny runs of the harness
+script)."""
 
 import json
 
@@ -36,9 +36,8 @@ def test_the_same_options_once_parsed_are_the_same_command(tiny_folder, tmp_path
 
 
 def test_the_end_of_a_run_decodes_each_image_once(tiny_folder, tmp_path, monkeypatch):
-    """One epoch on a streamed folder (72 training, 18 validation images; 4 steps of 16): the
-    last epoch's kNN monitor and results.json share their features, so each evaluation image is
-    decoded once."""
+    """One epoch on a streamed folder (4 steps of 16 of its 72 images): the last epoch's kNN
+    monitor and results.json share their features, each evaluation image decoded once."""
     decoded = []
     real = common.ImageFiles.__getitem__
 
@@ -66,9 +65,8 @@ def test_a_device_that_does_not_exist_is_one_line(tiny_folder, tmp_path, capsys)
     ("cuda", "2", 2, "LOCAL_RANK 2"),  # a local rank without its GPU
 ])
 def test_torchrun_takes_each_local_ranks_gpu(monkeypatch, device, local_rank, gpus, message):
-    """Under torchrun each process takes its LOCAL_RANK's GPU: `--device cuda:1` would bind every
-    rank to one GPU, and a LOCAL_RANK past the GPUs has none; each is one line, before any
-    process group."""
+    """Under torchrun each process takes its LOCAL_RANK's GPU: `--device cuda:1` (every rank on one
+    GPU) and a LOCAL_RANK past the GPUs are one line each, before any process group."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setenv("WORLD_SIZE", "4")

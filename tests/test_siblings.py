@@ -1,19 +1,18 @@
 """Siblings look alike: a concept two method files share has the same shape and names in each,
 though each file keeps its own copy (the FIFO of embeddings, the momentum encoder and its EMA,
 the recipe function and train_step's arguments)."""
+import importlib
 import inspect
 import re
 
 import pytest
 import torch
 
-import importlib
-
 import common
 import moco_simmoco_simco as mss
 import nnclr_dcl
 import simsiam_byol_gsg as gsg
-from helpers import METHODS
+from helpers import METHODS, ctx_for
 
 METHOD_FILES = tuple(importlib.import_module(name) for name in METHODS)
 MARKER = re.compile(r"^ *# (shared|own): ", re.M)
@@ -21,9 +20,8 @@ MARKER = re.compile(r"^ *# (shared|own): ", re.M)
 
 def test_key_queue_and_support_set_are_one_fifo_shape():
     """MoCo's KeyQueue and NNCLR's SupportSet: (size, dim, seed=0); buffers `rows` (size, dim),
-    random unit vectors drawn from the seed alone (the same on every rank), and the write position
-    `ptr`; push(rows, ...) writes at ptr and refuses more rows than the FIFO holds with one
-    ValueError naming the class."""
+    random unit vectors from the seed alone, and the write position `ptr`; push(rows, ...) writes
+    at ptr and refuses more rows than the FIFO holds, in a ValueError naming the class."""
     for fifo in (mss.KeyQueue, nnclr_dcl.SupportSet):
         signature = inspect.signature(fifo)
         assert list(signature.parameters) == ["size", "dim", "seed"], fifo
@@ -49,12 +47,11 @@ def test_key_queue_and_support_set_are_one_fifo_shape():
 
 
 def test_momentum_encoder_and_ema_update_are_the_same_code_in_both_files():
-    """MoCo's key encoder and BYOL's target come from momentum_encoder(model, ctx): a frozen copy
-    with the model's values; ema_update(target, online, momentum) moves it. Both files' copies are
-    the same source, docstrings included."""
+    """MoCo's key encoder and BYOL's target come from momentum_encoder(model, ctx), a frozen copy
+    of the model; ema_update(target, online, momentum) moves it: the same source in both files."""
     for name in ("momentum_encoder", "ema_update"):
         assert inspect.getsource(getattr(mss, name)) == inspect.getsource(getattr(gsg, name)), name
-    ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
+    ctx = ctx_for()
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     frozen = gsg.momentum_encoder(model, ctx)
     for p, f in zip(model.parameters(), frozen.parameters()):
@@ -65,7 +62,7 @@ def test_momentum_encoder_and_ema_update_are_the_same_code_in_both_files():
 @pytest.mark.parametrize("module", METHOD_FILES, ids=METHODS)
 def test_every_method_file_has_recipes_and_the_same_first_train_step_arguments(module):
     """recipes(args) -> one common.Recipe per view (no file keeps a `recipe`); train_step(net,
-    optimizer, views, args, ctx, ...): the file's own state (queues, support set, target) after."""
+    optimizer, views, args, ctx, ...), the file's own state after."""
     args = module.parse_args(["--stopgrad", "symmetric"] if module is gsg else [])
     args.image_size = 32
     views = module.recipes(args)
@@ -76,8 +73,8 @@ def test_every_method_file_has_recipes_and_the_same_first_train_step_arguments(m
 
 
 def blocks(module):
-    """main()'s marked blocks: [(kind, text)], each from its marker
-    line to the next marker (or main's end), blank lines dropped."""
+    """main()'s marked blocks: [(kind, text)], each from its marker line to the next marker (or
+    main's end), blank lines dropped."""
     source = inspect.getsource(module.main)
     starts = [m.start() for m in MARKER.finditer(source)]
     pieces = []
@@ -92,11 +89,8 @@ def blocks(module):
 @pytest.mark.rule("shared-and-own")
 @pytest.mark.parametrize("module", METHOD_FILES, ids=METHODS)
 def test_every_main_marks_its_shared_and_own_lines(module):
-    """Each main() is marked in blocks from its second line on:
-    `# shared: ...` the lines every method file repeats, word for
-    word, in the same order; `# own: ...` the method's own lines.
-    A reader adding a method copies the shared blocks and writes
-    the own ones."""
+    """Each main() is marked in blocks from its second line on: `# shared: ...` the lines every
+    method file repeats, word for word, in the same order; `# own: ...` the method's own."""
     source, starts, pieces = blocks(module)
     body = source.splitlines()[1:]
     first = next(line for line in body if line.strip())

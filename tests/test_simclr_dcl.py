@@ -1,12 +1,10 @@
 """The DCL paper's identities, distributed equivalence and smoke runs of simclr_dcl.py.
 
-Identities run in float64 on unit vectors; autograd gradients with respect to unit vectors pass
-through the loss's own normalisation, so closed forms are compared after the same projection
-(I - z z^T), which is what autograd returns for a unit-norm input.
+Identities run in float64 on unit vectors; autograd's gradients pass through the loss's own
+normalisation, so closed forms are compared after the same projection (I - z z^T).
 """
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -14,10 +12,13 @@ import torch.nn.functional as F
 
 import common
 import simclr_dcl
-from helpers import float64, identity, run_distributed, run_script, smoke_args
+from helpers import (check_run_folder, ctx_for, float64, identity, run_distributed, run_ok,
+                     smoke_args)
 from simclr_dcl import contrastive_loss, dclw_weights, npc_multiplier
 
 TAU = 0.1
+# The options train_step reads.
+STEP_ARGS = type("Args", (), {"temperature": TAU, "loss": "dclw", "sigma": 0.5})
 
 
 def unit_pairs(b=6, d=16, seed=0, noise=1.0):
@@ -43,8 +44,7 @@ def project(z, g):
 def naive_losses(z1, z2, temperature, loss, sigma=0.5):
     """The DCL paper's three losses, one anchor at a time with explicit index sets -> (2B,):
     SimCLR's InfoNCE, the decoupled L_DC of Proposition 2 (the positive left out of the
-    denominator) and L_DCW with the negative von Mises-Fisher weight w = 2 - exp(<z1, z2>/sigma)
-    / E[exp(<z1, z2>/sigma)]. The reference the masked loss must equal."""
+    denominator) and L_DCW with the weight w = 2 - exp(<z1, z2>/sigma) / E[exp(<z1, z2>/sigma)]."""
     z1, z2 = F.normalize(z1, dim=1), F.normalize(z2, dim=1)
     b = len(z1)
     views = torch.cat([z1, z2])
@@ -66,7 +66,7 @@ def naive_losses(z1, z2, temperature, loss, sigma=0.5):
     return torch.stack(out)
 
 
-# ------------------------------------------------------------------------------ identities
+# ---- identities
 
 @pytest.mark.parametrize("loss", ["infonce", "dcl", "dclw"])
 def test_loss_equals_a_per_anchor_loop_over_the_formula(loss):
@@ -209,12 +209,11 @@ def test_swapping_the_views_leaves_the_loss_unchanged(loss):
 
 def test_train_step_returns_the_loss_and_q_b_of_the_model_before_the_step():
     """train_step's loss is contrastive_loss of the model's z1, z2 from ONE forward pass of both
-    views (SimCLR's joint BatchNorm batch: a pass per view gives other values), and its q is
-    npc_multiplier of the same z1, z2; the step then moves the model."""
+    views (SimCLR's joint BatchNorm batch), and its q is npc_multiplier of the same z1, z2; the
+    step then moves the model."""
     with float64():
         torch.manual_seed(0)
         model = simclr_dcl.SimCLR("resnet18", 4, 8, proj_hidden=16, proj_dim=8)
-        ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         g = torch.Generator().manual_seed(4)
         views = [torch.randn(6, 3, 8, 8, generator=g) for _ in range(2)]
@@ -222,14 +221,13 @@ def test_train_step_returns_the_loss_and_q_b_of_the_model_before_the_step():
         expect_loss = contrastive_loss(z1, z2, TAU, "dclw")
         expect_q = npc_multiplier(z1, z2, TAU)
         before = model.projector[0].weight.detach().clone()
-        args = type("Args", (), {"temperature": TAU, "loss": "dclw", "sigma": 0.5})
-        loss, q = simclr_dcl.train_step(model, optimizer, views, args, ctx)
+        loss, q = simclr_dcl.train_step(model, optimizer, views, STEP_ARGS, ctx_for())
     torch.testing.assert_close(loss, expect_loss, rtol=1e-5, atol=1e-12)
     torch.testing.assert_close(q, expect_q, rtol=1e-5, atol=1e-12)
     assert q.shape == (12,) and (model.projector[0].weight - before).abs().max() > 1e-4
 
 
-# ------------------------------------------------------------------------ 2 processes == 1 process
+# ---- 2 processes == 1 process
 
 def _global_batch(seed=11, n=8, d=12):
     g = torch.Generator().manual_seed(seed)
@@ -251,7 +249,7 @@ def _worker_loss():
     torch.set_default_dtype(torch.float64)
     z1, z2 = _global_batch()
     rows = slice(common.rank() * 4, common.rank() * 4 + 4)
-    return _loss_and_grads(z1[rows].double(), z2[rows].double())
+    return _loss_and_grads(z1[rows], z2[rows])
 
 
 def test_two_processes_give_the_loss_and_gradients_of_one(tmp_path):
@@ -259,7 +257,7 @@ def test_two_processes_give_the_loss_and_gradients_of_one(tmp_path):
     1-process gradient of its rows (the gather's backward returns the other ranks' share)."""
     ranks = run_distributed("test_simclr_dcl", "_worker_loss", tmp_path)
     z1, z2 = _global_batch()
-    single = _loss_and_grads(z1.double(), z2.double())
+    single = _loss_and_grads(z1, z2)
     for loss, (value, g1, g2) in single.items():
         assert abs((ranks[0][loss][0] + ranks[1][loss][0]) / 2 - value) < 1e-12
         torch.testing.assert_close(torch.cat([r[loss][1] for r in ranks]) / 2, g1, rtol=1e-5,
@@ -275,20 +273,16 @@ def _train_three_steps(ctx, rows):
     net = common.distribute(model, ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
     g = torch.Generator().manual_seed(3)
-    args = type("Args", (), {"temperature": TAU, "loss": "dclw", "sigma": 0.5})
     for _ in range(3):
         views = [torch.randn(8, 3, 8, 8, generator=g, dtype=torch.float64)[rows] for _ in range(2)]
-        train_step(net, optimizer, views, args, ctx)
+        simclr_dcl.train_step(net, optimizer, views, STEP_ARGS, ctx)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-train_step = simclr_dcl.train_step
 
 
 def _worker_steps():
     torch.set_default_dtype(torch.float64)
-    ctx = common.Context(common.rank(), 2, 0, torch.device("cpu"), amp=False)
-    return _train_three_steps(ctx, slice(common.rank() * 4, common.rank() * 4 + 4))
+    rows = slice(common.rank() * 4, common.rank() * 4 + 4)
+    return _train_three_steps(ctx_for(common.rank(), 2), rows)
 
 
 def test_two_processes_train_like_one_process(tmp_path):
@@ -296,62 +290,44 @@ def test_two_processes_train_like_one_process(tmp_path):
     model exactly where 3 steps of one process on the whole batch do."""
     ranks = run_distributed("test_simclr_dcl", "_worker_steps", tmp_path)
     with float64():
-        ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
-        single = _train_three_steps(ctx, slice(0, 8))
+        single = _train_three_steps(ctx_for(), slice(0, 8))
     torch.manual_seed(0)
     initial = simclr_dcl.SimCLR("resnet18", 4, 8, proj_hidden=16, proj_dim=8).state_dict()
     moved = 0.0
     for key, value in single.items():
-        torch.testing.assert_close(ranks[0][key], value, rtol=1e-5, atol=1e-10,
-                                   msg=lambda m: f"{key}: {m}")
-        torch.testing.assert_close(ranks[1][key], value, rtol=1e-5, atol=1e-10,
-                                   msg=lambda m: f"{key}: {m}")
+        for rank in ranks:
+            torch.testing.assert_close(rank[key], value, rtol=1e-5, atol=1e-10,
+                                       msg=lambda m: f"{key}: {m}")
         moved = max(moved, (value.double() - initial[key]).abs().max().item())
     assert moved > 1e-3  # the steps really changed the model
 
 
-# ------------------------------------------------------------------------------ smoke runs
-
-def check_run_folder(out, epochs):
-    files = {"config.json", "metrics.jsonl", "checkpoint.pt", "backbone.pt", "results.json"}
-    assert files <= set(os.listdir(out))
-    lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    assert [line["epoch"] for line in lines] == list(range(1, epochs + 1))
-    results = json.load(open(os.path.join(out, "results.json")))
-    assert {"knn_top1", "knn_k1_top1", "linear_top1"} <= results.keys()
-    return lines, results
-
+# ---- smoke runs
 
 def test_smoke_python_and_torchrun_agree(tiny_folder, tmp_path):
     """The acceptance run, as `python` and as `torchrun --nproc_per_node=2`: both write the run
     folder (rank 0 alone: one metrics line per epoch) and compute the same run, two epochs of one
     step each.
 
-    Epoch 1 logs the first step's loss and <q_B>, before any update: the same model on the same
-    global batch through functions continuous in every rounding, so the launchers differ only by
-    float32 rounding in other summation orders (global BatchNorm, the gather, the means over
-    ranks): 1.9e-6 and 6e-8 measured, 4 float32 ulps of a loss of 4.56. The bounds 1e-4 and 1e-5
-    leave 50x for other machines' kernels; real disagreements move the loss far more: DCLW's mean
-    over one rank's pairs 0.019, its sum over every rank divided by one rank's count (a wrong
-    world-size scaling) 1.7, the positives looked up in rank 0's columns 1.7. After an update,
-    float32 runs drift: the gradient is not continuous in rounding (a ReLU pre-activation of 6e-7
-    that changes sign switches its derivative), so the first step's gradients lie ~1% apart and
-    epoch 2's losses 4.3e-4; exact equality of steps is the float64 tests' job (above). So the
-    backbones after both steps are compared with how far the steps moved them: 8% of the move
-    apart measured, the bound one half; steps on world x the loss lie 1.7 moves apart, steps with
-    the negatives gathered without their gradient 0.66."""
+    Epoch 1 logs the first step's loss and <q_B> before any update, so the launchers differ only
+    by float32 rounding in other summation orders: 1.9e-6 and 6e-8 measured (4 float32 ulps of a
+    loss of 4.56). The bounds 1e-4 and 1e-5 leave 50x; real disagreements move the loss far more:
+    DCLW's mean over one rank's pairs 0.019, a wrong world-size scaling 1.7, the positives looked
+    up in rank 0's columns 1.7. After an update float32 runs drift (a ReLU pre-activation of 6e-7
+    that changes sign switches its derivative: epoch 2's losses lie 4.3e-4 apart); exact equality
+    of steps is the float64 tests' job. So the backbones are compared with how far the steps moved
+    them: 8% of the move apart measured, the bound one half; steps on world x the loss lie 1.7
+    moves apart, steps with the negatives gathered without their gradient 0.66."""
     args = lambda out: smoke_args(tiny_folder, out, "--epochs", "2", "--loss", "dclw",
                                   "--limit-train", "16")
-    one = run_script("simclr_dcl.py", args(tmp_path / "one"))
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = run_script("simclr_dcl.py", args(tmp_path / "two"), nproc=2)
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert "final: command simclr_dcl.py " in one.stdout
-    assert " linear_top1 " in one.stdout
+    one = run_ok("simclr_dcl.py", args(tmp_path / "one"))
+    two = run_ok("simclr_dcl.py", args(tmp_path / "two"), nproc=2)
+    assert "final: command simclr_dcl.py " in one.stdout and " linear_top1 " in one.stdout
     assert [line.split("  ")[-1:] for line in two.stdout.splitlines()
             if line.startswith("run ")] == [["processes 2"]]  # the start-up line, rank 0 alone
-    lines1, _ = check_run_folder(tmp_path / "one", 2)
-    lines2, _ = check_run_folder(tmp_path / "two", 2)
+    _, lines1, results = check_run_folder(tmp_path / "one", 2)
+    _, lines2, _ = check_run_folder(tmp_path / "two", 2)
+    assert "linear_top1" in results
     assert {"npc_mean", "npc_cv", "knn_top1", "images_per_s", "lr"} <= lines1[-1].keys()
     assert 0 < lines1[0]["npc_mean"] < 1
     assert abs(lines1[0]["loss"] - lines2[0]["loss"]) < 1e-4
@@ -366,8 +342,7 @@ def test_smoke_python_and_torchrun_agree(tiny_folder, tmp_path):
                                 run["proj_dim"], run["stem_padding"]).backbone.state_dict()
     w1 = torch.load(tmp_path / "one" / "backbone.pt")
     w2 = torch.load(tmp_path / "two" / "backbone.pt")
-    assert w1.keys() == initial.keys()
-    assert w2.keys() == initial.keys()
+    assert w1.keys() == w2.keys() == initial.keys()
     for key in w1:
         moved = (w1[key].double() - initial[key].double()).abs().max()
         apart = (w1[key].double() - w2[key].double()).abs().max()
@@ -376,10 +351,10 @@ def test_smoke_python_and_torchrun_agree(tiny_folder, tmp_path):
 
 @pytest.mark.parametrize("loss", ["infonce", "dcl"])
 def test_each_loss_trains_in_process(tiny_folder, tmp_path, loss):
-    """Each loss runs through main() and logs a finite loss and a q_B in (0, 1). With InfoNCE,
-    L_i = -log(1 - q_i) anchor by anchor, so by Jensen the logged <q_B> is at most 1 - exp(-<L>)."""
+    """Each loss runs through main() and logs a finite loss and a q_B in (0, 1); with InfoNCE
+    (L_i = -log(1 - q_i)), by Jensen, <q_B> <= 1 - exp(-<L>)."""
     simclr_dcl.main(smoke_args(tiny_folder, tmp_path, "--loss", loss))
-    (line,), _ = check_run_folder(tmp_path, 1)
+    _, (line,), _ = check_run_folder(tmp_path, 1)
     assert math.isfinite(line["loss"]) and 0 < line["npc_mean"] < 1
     if loss == "infonce":
         assert line["npc_mean"] <= 1 - math.exp(-line["loss"]) + 1e-6

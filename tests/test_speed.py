@@ -1,5 +1,5 @@
-"""benchmarks/speed.py on the CPU at the smallest sizes: a row for every method file (measured
-through its own main()), the ops tables' bounds, and the bare step's replay."""
+"""benchmarks/speed.py on the CPU at the smallest sizes: a row for every method file (through its
+own main()), the ops tables' bounds, and the bare step's replay."""
 import os
 import sys
 
@@ -28,8 +28,8 @@ def tables(tmp_path_factory):
 
 
 def method_rows(tables, method):
-    """The method file's row of the speed table, of the ops table and of the 2-process table:
-    each has one row per method file of the README's quick start."""
+    """The method file's row of the speed, ops and 2-process tables (each a row per method
+    file)."""
     rows = [r for r in tables if r[0][2:] in QUICK_START]
     assert [r[0][2:] for r in rows] == METHODS * 3
     return rows[METHODS.index(method)::len(METHODS)]
@@ -37,47 +37,28 @@ def method_rows(tables, method):
 
 @pytest.mark.rule("speed")
 @pytest.mark.parametrize("method", METHODS)
-def test_the_tables_have_a_row_per_method_file_and_the_two_baselines(tables, method):
-    """main() at the tiny preset writes one row per method file (positive rates, no GPU busy
-    fraction, sync count or memory on a CPU), one row of ops and host ms per method file, and the
-    augmentation and optimiser rows."""
-    rates, ops, _ = method_rows(tables, method)
+def test_each_method_files_rows_and_its_ops_bounds(tables, method):
+    """main() at the tiny preset writes the method file's rows (rates, positive, with no GPU busy
+    fraction, sync count or memory on a CPU; ops and host ms; its step's ops at 2 gloo processes
+    beside 1), then the augmentation and optimiser rows. As speed.py counts them, its
+    common.Augment dispatches at most 150 aten ops a view, its augmentation plus its train_step at
+    most 1.7 times its bare network step's ops, and its step at 2 processes (the global BatchNorm,
+    the gathers, DDP) at most 5.5 times its ops at one (rest + bare): measured 3.62 (SimCLR) to
+    4.97 (GSG's four crops), with the CPU's global BatchNorm by autograd; the collectives among
+    them are counted too (measured: 46 for SimCLR to 192 for GSG)."""
+    rates, ops, (name, one, both, ratio, collectives) = method_rows(tables, method)
     assert float(rates[3].replace(",", "")) > 0 and float(rates[5]) > 0
     assert rates[6] == "n/a" and rates[9:] == ["n/a", "n/a |"]
-    # The ops row: "augmentation (a view)", rest, bare, ratio, then three ms.
-    assert int(ops[3].replace(",", "")) > 0 and int(ops[4].replace(",", "")) > 0
-    assert all(float(ms.strip(" |")) > 0 for ms in ops[6:])
     assert [r[0][2:] for r in tables[-2:]] == ["augmentation, SimCLR's recipe, 8 px, 64 images",
                                                "optimiser step, ResNet-18 w4"]
-
-
-@pytest.mark.rule("speed")
-@pytest.mark.parametrize("method", METHODS)
-def test_every_augmentation_dispatches_at_most_150_ops_a_view_and_a_step_at_most_1_7_bare(
-        tables, method):
-    """Issue 39's bounds, as speed.py counts them: every method's common.Augment (its file's
-    recipes) dispatches at most 150 aten ops a view, and its augmentation plus its train_step
-    at most 1.7 times its bare network step's ops (SimCLR's 2.35 before the views were batched
-    and drawn at once)."""
-    _, cells, _ = method_rows(tables, method)
-    augment = int(cells[2].split()[0].replace(",", ""))  # "ops (a view)"
-    assert augment <= 150 * int(cells[1]), cells
-    assert float(cells[5]) <= 1.7, cells
-
-
-@pytest.mark.rule("speed")
-@pytest.mark.parametrize("method", METHODS)
-def test_a_step_at_two_processes_costs_at_most_5_5_times_its_ops_at_one(tables, method):
-    """Issue 45: speed.py shows train_step's ops at 2 gloo processes beside 1 (the global
-    BatchNorm, the gathers, DDP), so the GPU check sees their cost. Each method's 1-process count
-    is the ops table's (rest + bare), and its 2-process count at most 5.5 times it: measured 3.62
-    (SimCLR) to 4.97 (GSG's four crops) with the CPU's global BatchNorm by autograd through plain
-    arithmetic (2.16 to 2.82 with its hand-written backward, before issue 64; CUDA runs fused
-    kernels). The table counts the collectives among them too (measured: 46 for SimCLR to 192
-    for GSG)."""
-    _, cells, (name, one, both, ratio, collectives) = method_rows(tables, method)
+    # The ops row: views, "ops (a view)", rest, bare, ratio, then three ms.
+    assert all(float(ms.strip(" |")) > 0 for ms in ops[6:])
+    assert int(ops[2].split()[0].replace(",", "")) <= 150 * int(ops[1]), ops
+    assert float(ops[5]) <= 1.7, ops
+    rest = int(ops[3].replace(",", ""))
+    bare = int(ops[4].replace(",", ""))
     one = int(one.replace(",", ""))
-    assert one == int(cells[3].replace(",", "")) + int(cells[4].replace(",", ""))
+    assert rest > 0 and bare > 0 and one == rest + bare
     assert one < int(both.replace(",", "")) <= 5.5 * one, (name, one, both)
     assert 0 < int(collectives.strip(" |")) < one, (name, collectives)
 
@@ -89,11 +70,10 @@ def test_a_step_at_two_processes_costs_at_most_5_5_times_its_ops_at_one(tables, 
 ], ids=["byol-gsg", "mocov2"])
 def test_the_bare_step_replays_the_networks_the_real_step_called(module, argv, expected,
                                                                   tmp_path):
-    """The outermost network calls of a step of main(): BYOL + GSG's online network once on the
-    four crops, with gradient, then its momentum encoder on each crop without (the online encoder
-    inside the network is no call of its own); MoCo v2's query network on view 1 with gradient
-    and on view 2 without (its BatchNorm and probes), the key encoder on each view without. The
-    queue is never called."""
+    """The outermost network calls of a step of main(), which the bare step replays: BYOL + GSG's
+    online network once on the four crops, with gradient, then its momentum encoder on each crop
+    without; MoCo v2's query network on view 1 with gradient and on view 2 without, the key
+    encoder on each view without."""
     seen = {}
     real = module.train_step
 
@@ -132,8 +112,8 @@ def test_a_row_says_in_a_line_what_it_found_wrong():
 
 
 def test_a_script_that_cannot_be_measured_is_one_line_and_no_row(tmp_path, monkeypatch):
-    """A method file whose main() speed.py cannot run (here: one that raises) gets one line
-    saying so, and no row in any table; the others are measured."""
+    """A method file whose main() speed.py cannot run gets one line saying so, and no row in any
+    table; the others are measured."""
     real = speed.method_row
 
     def method_row(method, *args):
@@ -152,8 +132,8 @@ def test_a_script_that_cannot_be_measured_is_one_line_and_no_row(tmp_path, monke
 
 
 def test_on_the_cpu_the_batchnorm_rows_are_one_line_saying_why_there_are_none(tmp_path):
-    """--rows batchnorm on the CPU: the global BatchNorm's rows need CUDA (its fused kernels and
-    nn.SyncBatchNorm's have no CPU version); one line says so, and no table is written."""
+    """--rows batchnorm on the CPU: the global BatchNorm's rows need CUDA; one line says so, and
+    no table is written."""
     out = tmp_path / "speed.md"
     speed.main(["--device", "cpu", "--rows", "batchnorm", "--out", str(out)])
     lines = out.read_text().splitlines()
