@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import common
 import moco_simmoco_simco as mss
-from helpers import (check_run_folder, float64, identity, run_distributed, run_main,
+from helpers import (check_run_folder, ctx_for, float64, identity, run_distributed, run_main,
                      run_script, smoke_args, tiny)
 
 TAU = 0.1
@@ -60,7 +60,7 @@ def grad(value, x):
     return torch.autograd.grad(value, x, retain_graph=True)[0]
 
 
-# ------------------------------------------------------------------------- DT sec. 2 identities
+# ---- DT sec. 2 identities
 
 def test_eq4_infonce_gradient_is_anchor_weight_times_positive_minus_weighted_negatives():
     """dL_i/dq_i = -(1/tau) W_i (k_i - sum_j phat_j k_j), phat_j = p_j / W_i,
@@ -218,7 +218,7 @@ def test_the_logged_r_plus_share_is_over_every_anchor_of_the_epoch(tmp_path, mon
         assert "w_log_w" not in line
 
 
-# ----------------------------------------------------------------- queue and momentum encoder
+# ---- queue and momentum encoder
 
 def test_queue_is_fifo_and_wraps_around_without_dropping_keys():
     """K = 10, 4 keys per step: step 3 writes rows 8, 9, 0, 1; rows 2, 3 still hold step 1's."""
@@ -278,7 +278,7 @@ def test_both_views_pass_the_online_encoder_and_feed_the_online_probe_in_every_m
     gives the probe 2 b rows of backbone features and the online BatchNorm two batches, without
     --symmetric too (the loss still takes q1 alone there); the momentum probe gets the key
     encoder's 2 b rows where there is one."""
-    ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
+    ctx = ctx_for()
     model, net, key_encoder, queues, optimizer, args = tiny_setup(method, False, ctx)
     views = step_views(0)
     _, _, features = mss.train_step(net, optimizer, views, args, ctx, key_encoder, queues)
@@ -299,7 +299,7 @@ def probe_step_by_hand(classifier, features, labels, lr):
 
 
 def tiny_probes(momentum=False):
-    ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
+    ctx = ctx_for()
     encoder = mss.Encoder("resnet18", 4, 8, 16, 8)
     data = SimpleNamespace(num_classes=3)
     args = SimpleNamespace(workers=0, seed=0)
@@ -341,7 +341,7 @@ def test_momentum_encoder_is_ema_of_the_query_encoder_and_queue_gets_its_keys_wi
     """After a step: theta_k = m theta_k_old + (1 - m) theta_q (parameter by parameter); the queue's
     new rows are the normalised keys k = f_k(x2) of the step; the queue and key encoder get no
     gradient."""
-    ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
+    ctx = ctx_for()
     with float64():
         model, net, key_encoder, queues, optimizer, args = tiny_setup("mocov2", False, ctx)
         views = step_views(0)
@@ -363,7 +363,7 @@ def test_simco_loss_is_symmetric_with_gradient_through_both_views_each_its_own_f
     """SimCo: (L(z1, z2) + L(z2, z1)) / 2 with z1, z2 from one encoder; no momentum encoder, no
     queue. z1 and z2 come from separate forward passes (BatchNorm statistics per view, as
     solo-learn's per-crop forward); one pass over both views would normalise over 2b images."""
-    ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
+    ctx = ctx_for()
     with float64():
         model, net, _, _, optimizer, args = tiny_setup("simco", False, ctx)
         views = step_views(0)
@@ -385,7 +385,7 @@ def test_symmetric_pairs_q1_with_k2_and_q2_with_k1_mocov2_with_two_queues(method
 
     MoCo v2+ keeps two queues, as official mocov2plus: q1's negatives are past k2's (queue 0), q2's
     past k1's (queue 1); after the step k2 is pushed onto queue 0 and k1 onto queue 1."""
-    ctx = common.Context(0, 1, 0, torch.device("cpu"), amp=False)
+    ctx = ctx_for()
     with float64():
         model, net, key_encoder, queues, optimizer, args = tiny_setup(method, True, ctx)
         views = step_views(0)
@@ -408,7 +408,7 @@ def test_symmetric_pairs_q1_with_k2_and_q2_with_k1_mocov2_with_two_queues(method
         assert queues[0].ptr.item() == 8
 
 
-# -------------------------------------------------------------------- 2 processes == 1 process
+# ---- 2 processes == 1 process
 
 METHODS = [("mocov2", False), ("mocov2", True), ("simmoco", False), ("simmoco", True),
            ("simco", False)]
@@ -430,7 +430,7 @@ def losses_on(q, k, queue, rank=0, world=1):
 
 def run_steps(method, symmetric, rank=0, world=1, steps=3):
     """Three real train_steps; returns losses, diagnostics and every state that must match."""
-    ctx = common.Context(rank, world, 0, torch.device("cpu"), amp=False)
+    ctx = ctx_for(rank, world)
     model, net, key_encoder, queues, optimizer, args = tiny_setup(method, symmetric, ctx)
     losses, stats = [], []
     for step in range(steps):
@@ -532,7 +532,7 @@ def test_main_under_two_processes_writes_run_folders(two_processes):
         check_mss_run_folder(base / f"dist{i}", extra[1], world=2)
 
 
-# ------------------------------------------------------------------------ resume and smoke runs
+# ---- continued and smoke runs
 
 def test_simmoco_symmetric_main_writes_run_folder(tiny_folder, tmp_path):
     """SimMoCo+ (the variant no other run covers) in one process."""
