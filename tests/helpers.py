@@ -23,16 +23,22 @@ METHODS = tuple(sorted(name[:-3] for name in os.listdir(ROOT)
                        if name.endswith(".py") and name != "common.py"))
 
 
-def quick_start():
-    """{method file: its options in the README's quick start}: T, then its line's own: the one
-    place that says how each method runs small, for every test and benchmark of "each method"."""
+def readme_quick_start():
+    """The README's quick start: T's options, and the lines after T's two."""
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         text = f.read()
     lines = text[text.index("## Quick start"):].splitlines()
     start = next(i for i, line in enumerate(lines) if line.strip().startswith("T="))
     t = " ".join(lines[start:start + 2]).split('"')[1].replace("\\", "").split()
+    return t, lines[start + 2:]
+
+
+def quick_start():
+    """{method file: its options in the README's quick start}: T, then its line's own: the one
+    place that says how each method runs small, for every test and benchmark of "each method"."""
+    t, lines = readme_quick_start()
     runs = {}
-    for line in lines[start + 2:]:
+    for line in lines:
         words = line.split("#")[0].split()
         if len(words) > 2 and words[0] == "python" and words[2] == "$T":
             runs[words[1][:-3]] = t + words[3:]

@@ -1,9 +1,5 @@
 """benchmarks/figures.py: each paper's figure drawn from small run folders made here (width 4,
-256 texture images, 1-2 epochs), its numbers those of the functions training uses: DCL Fig. 1
-(mean q_B rises with the batch size), DT Fig. 3 (the normalised entropy of r_+ rises with the
-dictionary size), GSG Figs. 4, 5 (a point per epoch per run), each caption saying how its
-networks were trained and what was only evaluated, the training curves, the one command that
-trains and draws, --untrained's numbers, and where the figures go by default."""
+256 texture images, 1-2 epochs), its numbers those of the functions training uses."""
 import json
 import math
 import os
@@ -14,7 +10,7 @@ import torch
 
 import moco_simmoco_simco
 import simclr_dcl
-from helpers import ROOT, run_script
+from helpers import ROOT, readme_quick_start, run_script
 
 # Without matplotlib (benchmarks/requirements.txt) these skip,
 # saying so, and the rest of the suite runs.
@@ -85,11 +81,9 @@ def test_dcl_fig1_mean_npc_multiplier_rises_with_the_batch_size(runs, tmp_path, 
     assert [len(q) for q in calls] == [64] * 8 + [128] * 4 + [256] * 2 + [512]
     means = [rows[size]["mean"] for size in rows]
     assert means == sorted(means) and means[0] < means[-1]
-    first = 0
-    for size, count in zip(rows, (8, 4, 2, 1)):
-        q = [value for batch in calls[first:first + count] for value in batch.tolist()]
-        first += count
-        assert rows[size]["mean"] == pytest.approx(sum(q) / len(q), rel=1e-5)
+    for size in rows:
+        q = torch.cat([batch for batch in calls if len(batch) == 2 * int(size)])
+        assert rows[size]["mean"] == pytest.approx(q.mean().item(), rel=1e-5)
         assert sum(rows[size]["share"]) == pytest.approx(1)
 
 
@@ -138,9 +132,8 @@ def test_dt_fig3_entropy_of_r_plus_rises_with_the_dictionary_size(runs, tmp_path
 def test_dt_fig3_effective_anchors_on_a_linear_axis_from_0(runs, monkeypatch):
     """exp(H(r_+)), the number of anchors that would carry the pull if they carried it equally
     (A = 128 at most), against K: a linear axis from 0 to at least A, each point exp of
-    anchor_weight_stats's entropy, A ** the JSON's H(r_+) / log A; the caption gives the
-    fewest, and says that the network, trained at one batch size and tau_beta, is only evaluated
-    at each K and tau_beta."""
+    anchor_weight_stats's entropy and the JSON's; the caption gives the fewest, and says that the
+    network, trained at one batch size and tau_beta, is only evaluated at each K and tau_beta."""
     stats = spy(monkeypatch, moco_simmoco_simco, "anchor_weight_stats")
     fig, saved = figures.dt_figure([runs["mocov2"]])
     print(fig.get_supxlabel())
@@ -151,8 +144,6 @@ def test_dt_fig3_effective_anchors_on_a_linear_axis_from_0(runs, monkeypatch):
     assert plotted == pytest.approx([math.exp(h.item()) for _, _, h, _ in stats], rel=1e-9)
     run = json.loads(json.dumps(saved))["mocov2"]
     assert run["anchors"] == 128
-    entropy = [h for row in run["normalised_entropy"].values() for h in row]
-    assert plotted == pytest.approx([128 ** h for h in entropy], rel=1e-9)
     assert plotted == [y for row in run["effective_anchors"].values() for y in row]
     caption = fig.get_supxlabel().replace("\n", " ")
     assert f"{min(plotted):.0f}" in caption and "of 128 anchors" in caption
@@ -188,8 +179,7 @@ def test_gsg_figs4_5_axes_from_0_and_values_in_the_caption(runs):
     print(fig.get_supxlabel())
     knn, knn_alone, proj_std = fig.axes
     assert [ax.get_yscale() for ax in fig.axes] == ["linear"] * 3
-    assert knn.get_ylim() == (0, 100)
-    assert knn_alone.get_ylim() == (0, 100)
+    assert [knn.get_ylim(), knn_alone.get_ylim()] == [(0, 100)] * 2
     highest = max(value for _, value in saved[os.path.basename(alone)]["proj_std"])
     caption = fig.get_supxlabel().replace("\n", " ")
     assert proj_std.get_ylim()[0] == 0 and proj_std.get_ylim()[1] < 1.5 * highest
@@ -249,20 +239,15 @@ def test_one_command_trains_and_draws(trained):
 def test_train_recipe_is_the_readme_quick_start():
     """--train's runs take the README's quick start (T), with kNN each epoch and no linear
     probe, so the figures show the runs the README's numbers come from."""
-    from test_readme import readme, section
-    lines = section(readme(), "## Quick start").splitlines()
-    start = next(i for i, line in enumerate(lines) if line.strip().startswith("T="))
-    t = " ".join(lines[start:start + 2]).split('"')[1].replace("\\", "").split()
+    t, _ = readme_quick_start()
     assert figures.QUICK == t + ["--eval-every", "1", "--linear-epochs", "0"]
 
 
-def test_by_default_a_figure_goes_to_runs_figures_not_over_the_committed_ones(runs, tmp_path,
-                                                                               monkeypatch,
-                                                                               capsys):
+def test_by_default_a_figure_goes_to_runs_figures_not_over_the_committed_ones(
+        runs, tmp_path, monkeypatch, capsys):
     """Run from the repository's root as the README does (here a copy's root, tmp_path), a
     figure and its JSON go to runs/figures, and figures.py says so: benchmarks/figures, the
-    committed figures, changes only with `--out benchmarks/figures` (seen failing: it was the
-    default)."""
+    committed figures, changes only with `--out benchmarks/figures`."""
     monkeypatch.chdir(tmp_path)
     figures.main(["dcl", runs["simclr-infonce"]])
     written = os.path.join("runs", "figures", "dcl")
@@ -270,15 +255,14 @@ def test_by_default_a_figure_goes_to_runs_figures_not_over_the_committed_ones(ru
     assert os.listdir(tmp_path) == ["runs"] and os.path.isfile(tmp_path / f"{written}.png")
 
 
-def test_untrained_prints_each_papers_quantity_by_the_training_functions(tmp_path, monkeypatch,
-                                                                         capsys):
+def test_untrained_prints_each_papers_quantity_by_the_training_functions(
+        tmp_path, monkeypatch, capsys):
     """`figures.py dcl --untrained`, `dt --untrained`: the quick start's network untrained on
     generated textures, no run folder. DCL: a row per batch size N, <q_B> and C_v of
-    npc_multiplier's q_B (2N anchors a batch), <q_B> at 1 - 1/(2N - 1) within 0.001 as its note
-    says (a positive no closer than the negatives); DT: a row per tau_beta, exp(H(r_+)) / A of
-    anchor_weight_stats's H at each K. Each draws its figure into --out, its caption (printed)
-    naming the network untrained; without matplotlib it prints the numbers alone, and says how
-    to draw them."""
+    npc_multiplier's q_B (2N anchors a batch), <q_B> within 0.001 of its note's 1 - 1/(2N - 1);
+    DT: a row per tau_beta, exp(H(r_+)) / A of anchor_weight_stats's H at each K. Each draws its
+    figure into --out, its printed caption naming the network untrained; without matplotlib it
+    prints the numbers alone, and how to draw them."""
     q = spy(monkeypatch, simclr_dcl, "npc_multiplier")
     stats = spy(monkeypatch, moco_simmoco_simco, "anchor_weight_stats")
     figures.main(["dcl", "--untrained", "--out", str(tmp_path)])
@@ -299,8 +283,7 @@ def test_untrained_prints_each_papers_quantity_by_the_training_functions(tmp_pat
     monkeypatch.setattr(figures, "Figure", None)
     figures.main(["dt", "--untrained", "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    rows = [line.split() for line in out.splitlines() if line.startswith("  0.") or
-            line.startswith("  1.")]
+    rows = [line.split() for line in out.splitlines() if line.startswith(("  0.", "  1."))]
     assert [float(row[0]) for row in rows] == list(figures.TAUS)
     shares = [float(share) for row in rows for share in row[1:]]
     anchors = 256  # entropy_by_dictionary's

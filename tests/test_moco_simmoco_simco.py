@@ -15,18 +15,19 @@ import torch.nn.functional as F
 import common
 import moco_simmoco_simco as mss
 from helpers import (check_run_folder, ctx_for, float64, identity, run_distributed, run_main,
-                     run_script, smoke_args, tiny)
+                     smoke_args, tiny)
 
 TAU = 0.1
 
 
-def embeddings(b=6, d=5, k=9, seed=0):
-    """Un-normalised anchors q (B, D) and keys k (B, D) with gradient, a normalised queue (K, D)."""
+def embeddings(b=6, d=5, k=9, seed=0, use_queue=True):
+    """Un-normalised anchors q (B, D) and keys k (B, D) with gradient, and a normalised queue
+    (K, D), None without use_queue."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, d, generator=g, dtype=torch.float64).requires_grad_()
     keys = torch.randn(b, d, generator=g, dtype=torch.float64).requires_grad_()
     queue = F.normalize(torch.randn(k, d, generator=g, dtype=torch.float64), dim=1)
-    return q, keys, queue
+    return q, keys, queue if use_queue else None
 
 
 def reference_logits(q, k, queue=None):
@@ -88,8 +89,7 @@ def test_eq4_infonce_gradient_is_anchor_weight_times_positive_minus_weighted_neg
 @pytest.mark.parametrize("use_queue", [True, False])
 def test_eq7_loss_transformation_has_the_eq1_gradient_on_q(use_queue):
     """sg(W_i) * (-<q_i,k_i>/tau + log sum_j exp(<q_i,k_j>/tau)) and -log p_+: the same dL/dq."""
-    q, k, queue = embeddings()
-    queue = queue if use_queue else None
+    q, k, queue = embeddings(use_queue=use_queue)
     infonce, (w, _) = mss.dual_temperature_loss(q, k.detach(), TAU, TAU, queue)
     eq7 = (w * reference_dcl(reference_logits(q, k.detach(), queue), TAU)).mean()
     negatives = "a queue" if use_queue else "the batch's keys"
@@ -101,8 +101,7 @@ def test_eq7_loss_transformation_has_the_eq1_gradient_on_q(use_queue):
 def test_equal_temperatures_is_exactly_infonce(use_queue):
     """tau_beta = tau_alpha: sg(W/W) = 1, so Eq. 9 is InfoNCE (Eq. 1) in value and in gradient
     on q and k."""
-    q, k, queue = embeddings()
-    queue = queue if use_queue else None
+    q, k, queue = embeddings(use_queue=use_queue)
     loss, _ = mss.dual_temperature_loss(q, k, TAU, TAU, queue)
     reference = reference_infonce(reference_logits(q, k, queue), TAU).mean()
     torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-14)
@@ -118,15 +117,13 @@ def test_dual_temperature_gradient_is_weight_ratio_times_infonce_gradient(use_qu
     With in-batch negatives (SimCo) the same holds for the gradient on every key, since the weight
     is a constant: d/dk of Eq. 9 = d/dk of sum_i ratio_i * InfoNCE_i."""
     tau_beta = 1.0
-    q, k, queue = embeddings()
-    queue = queue if use_queue else None
-    b = len(q)
+    q, k, queue = embeddings(use_queue=use_queue)
     loss, (w_alpha_out, w_beta_out) = mss.dual_temperature_loss(q, k, TAU, tau_beta, queue)
     logits = reference_logits(q, k, queue)
     w_alpha = reference_weight(logits, TAU).detach()
     w_beta = reference_weight(logits, tau_beta).detach()
-    ratio_infonce = (w_beta / w_alpha * reference_infonce(logits, TAU)).sum() / b
-    weighted_dcl = (w_beta * reference_dcl(logits, TAU)).sum() / b
+    ratio_infonce = (w_beta / w_alpha * reference_infonce(logits, TAU)).mean()
+    weighted_dcl = (w_beta * reference_dcl(logits, TAU)).mean()
     assert not torch.allclose(w_alpha, w_beta)  # the identity is not trivially true here
     negatives = "a queue" if use_queue else "the batch's keys"
     for x, name in ((q, "q"), (k, "k")):
@@ -157,13 +154,12 @@ def test_anchor_weight_keeps_its_precision_in_float32_when_p_plus_is_near_one():
     q = torch.tensor([[0.6, 0.8], [0.6, 0.8]])  # (2, 2) unit vectors
     queue = -q[:1].repeat(10, 1)  # (10, 2): every negative at similarity -1
     loss, (w_alpha, w_beta) = mss.dual_temperature_loss(q, q, TAU, 1.0, queue)
-    n_neg = len(queue)
-    exact_alpha = n_neg * math.exp(-2 / TAU) / (1 + n_neg * math.exp(-2 / TAU))
-    torch.testing.assert_close(w_alpha, torch.full((2,), exact_alpha), rtol=1e-5, atol=0)
+
+    def exact(tau):  # W = 1 - p_+ = K e^(-2/tau) / (1 + K e^(-2/tau)), K = 10
+        return torch.full((2,), 10 * math.exp(-2 / tau) / (1 + 10 * math.exp(-2 / tau)))
+    torch.testing.assert_close(w_alpha, exact(TAU), rtol=1e-5, atol=0)
     assert w_alpha.dtype == torch.float32 and torch.isfinite(loss)
-    torch.testing.assert_close(w_beta,
-                               torch.full((2,), 10 * math.exp(-2) / (1 + 10 * math.exp(-2))),
-                               rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(w_beta, exact(1.0), rtol=1e-5, atol=1e-8)
 
 
 def test_r_plus_entropy_is_the_entropy_of_the_relative_anchor_weights():
@@ -175,18 +171,15 @@ def test_r_plus_entropy_is_the_entropy_of_the_relative_anchor_weights():
     w_alpha = torch.tensor([0.3, 0.3, 0.3], dtype=torch.float64)
     w_beta = torch.tensor([0.1, 0.1, 0.2], dtype=torch.float64)
     mean_alpha, mean_beta, entropy, w_log_w = mss.anchor_weight_stats(w_alpha, w_beta)
-    torch.testing.assert_close(entropy, 1.5 * torch.tensor(2.0, dtype=torch.float64).log(),
+    expected = torch.tensor([1.5 * math.log(2), 0.3, 0.4 / 3], dtype=torch.float64)
+    torch.testing.assert_close(torch.stack([entropy, mean_alpha, mean_beta]), expected,
                                rtol=1e-5, atol=1e-15)
-    torch.testing.assert_close(mean_alpha, torch.tensor(0.3, dtype=torch.float64), rtol=1e-5,
-                               atol=1e-15)
-    torch.testing.assert_close(mean_beta, torch.tensor(0.4 / 3, dtype=torch.float64), rtol=1e-5,
-                               atol=1e-15)
     # the share of anchors that carry the pull: exp(H) / N = 2 ** 1.5 / 3
     record = mss.epoch_share(dict(w_beta=mean_beta.item(), w_log_w=w_log_w.item()))
     assert record == {"w_beta": pytest.approx(0.4 / 3), "r_plus_share": pytest.approx(2 ** 1.5 / 3)}
     flat = torch.full((7,), 0.6, dtype=torch.float64)  # equal weights: the maximum, log 7
     _, mean_beta, entropy, w_log_w = mss.anchor_weight_stats(flat, flat)
-    torch.testing.assert_close(entropy, torch.tensor(7.0).log().double(), rtol=1e-5, atol=1e-8)
+    assert entropy.item() == pytest.approx(math.log(7), rel=1e-5, abs=1e-8)
     record = mss.epoch_share(dict(w_beta=mean_beta.item(), w_log_w=w_log_w.item()))
     assert record["r_plus_share"] == pytest.approx(1, rel=1e-12)
 
@@ -226,10 +219,8 @@ def test_queue_is_fifo_and_wraps_around_without_dropping_keys():
     steps = [torch.randn(4, 3) for _ in range(3)]
     for keys in steps:
         queue.push(keys)
-    torch.testing.assert_close(queue.rows[4:8], steps[1], rtol=0, atol=0)
-    torch.testing.assert_close(queue.rows[8:10], steps[2][:2], rtol=0, atol=0)
-    torch.testing.assert_close(queue.rows[0:2], steps[2][2:], rtol=0, atol=0)
-    torch.testing.assert_close(queue.rows[2:4], steps[0][2:], rtol=0, atol=0)
+    expected = torch.cat([steps[2][2:], steps[0][2:], steps[1], steps[2][:2]])  # rows 0 ... 9
+    torch.testing.assert_close(queue.rows, expected, rtol=0, atol=0)
     assert queue.ptr.item() == 2
 
 
@@ -330,10 +321,11 @@ def test_online_probe_accuracy_is_its_classifier_on_the_raw_features():
     test_f = torch.tensor([[3.0, 0.0], [2.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
     test_y = torch.tensor([0, 0, 1, 1])
     probes = tiny_probes()
-    probes.classifiers["online_top1"] = torch.nn.Linear(2, 2)
+    classifier = torch.nn.Linear(2, 2)
     with torch.no_grad():
-        probes.classifiers["online_top1"].weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
-        probes.classifiers["online_top1"].bias.copy_(torch.tensor([0.0, 1.5]))
+        classifier.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
+        classifier.bias.copy_(torch.tensor([0.0, 1.5]))
+    probes.classifiers["online_top1"] = classifier
     assert probes.top1(test_f, test_y) == {"online_top1": 100.0}
 
 
@@ -414,8 +406,11 @@ METHODS = [("mocov2", False), ("mocov2", True), ("simmoco", False), ("simmoco", 
            ("simco", False)]
 
 
-def losses_on(q, k, queue, rank=0, world=1):
-    """Each loss variant on this rank's rows: value, grad on q, grad on k (None without grad)."""
+def losses_on(rank=0, world=1):
+    """Each loss variant on this rank's rows of one batch of 8 and a queue of 11: value, grad on
+    q, grad on k (None without grad)."""
+    q, k, queue = embeddings(b=8, d=5, k=11, seed=3)
+    q, k = q.detach(), k.detach()
     b = len(q) // world
     out = []
     variants = (("mocov2", False, queue), ("simmoco", False, None), ("simco", True, None))
@@ -452,9 +447,8 @@ def _worker_two_processes(base):
     """Runs in each of 2 gloo processes: the losses, three train steps and main() per method."""
     rank, world = dist.get_rank(), dist.get_world_size()
     with float64():
-        q, k, queue = embeddings(b=8, d=5, k=11, seed=3)
-        losses = losses_on(q.detach(), k.detach(), queue, rank, world)
-        steps = {f"{m}{'+' if s else ''}": run_steps(m, s, rank, world) for m, s in METHODS}
+        losses = losses_on(rank, world)
+        steps = {(m, s): run_steps(m, s, rank, world) for m, s in METHODS}
     for i, extra in enumerate(smoke_variants()):
         mss.main(smoke_args(os.path.join(base, "data"), os.path.join(base, f"dist{i}"), *extra))
     return {"losses": losses, "steps": steps}
@@ -473,16 +467,14 @@ def test_two_processes_equal_one_process_loss_and_gradients(two_processes):
     negatives."""
     results, _ = two_processes
     with float64():
-        q, k, queue = embeddings(b=8, d=5, k=11, seed=3)
-        reference = losses_on(q.detach(), k.detach(), queue)
-    for (name, loss, g_q, g_k), ranks in zip(reference, zip(*(r["losses"] for r in results))):
-        torch.testing.assert_close(sum(r[1] for r in ranks) / 2, loss, rtol=1e-5, atol=1e-14,
-                                   msg=lambda m: f"{name}: {m}")
-        torch.testing.assert_close(torch.cat([r[2] for r in ranks]) / 2, g_q, rtol=1e-5, atol=1e-14,
-                                   msg=lambda m: f"{name}: {m}")
-        if g_k is not None:  # SimCo: the negatives from the other rank carry gradient back
-            torch.testing.assert_close(torch.cat([r[3] for r in ranks]) / 2, g_k, rtol=1e-5,
-                                       atol=1e-14, msg=lambda m: f"{name}: {m}")
+        reference = losses_on()
+    for (name, *one), ranks in zip(reference, zip(*(r["losses"] for r in results))):
+        two = [sum(r[1] for r in ranks) / 2, torch.cat([r[2] for r in ranks]) / 2]
+        if one[2] is not None:  # SimCo: the negatives from the other rank carry gradient back
+            two.append(torch.cat([r[3] for r in ranks]) / 2)
+        for part, mine, expected in zip(("loss", "dL/dq", "dL/dk"), two, one):
+            torch.testing.assert_close(mine, expected, rtol=1e-5, atol=1e-14,
+                                       msg=lambda m: f"{name} {part}: {m}")
 
 
 @pytest.mark.parametrize("method,symmetric", METHODS)
@@ -493,8 +485,7 @@ def test_two_processes_equal_one_process_after_three_steps(two_processes, method
     results, _ = two_processes
     with float64():
         reference = run_steps(method, symmetric)
-    key = f"{method}{'+' if symmetric else ''}"
-    ranks = [r["steps"][key] for r in results]
+    ranks = [r["steps"][method, symmetric] for r in results]
     mean_loss = (ranks[0]["losses"] + ranks[1]["losses"]) / 2
     torch.testing.assert_close(mean_loss, reference["losses"], rtol=1e-5, atol=1e-12)
     for r in ranks:
@@ -542,8 +533,8 @@ def test_simmoco_symmetric_main_writes_run_folder(tiny_folder, tmp_path):
 
 def test_cifar100_is_normalised_with_cifar10_statistics_as_the_authors_code(
         tiny_folder, tmp_path, monkeypatch):
-    """The DT fork normalises CIFAR-100 with CIFAR-10's mean and std (issue 28, item 6): main()
-    hands those to the augmentation and the evaluation (the tiny folder stands in for CIFAR-100)."""
+    """The DT fork normalises CIFAR-100 with CIFAR-10's mean and std: main() hands those to the
+    augmentation and the evaluation (the tiny folder stands in for CIFAR-100)."""
     load, augment, seen = common.load_data, common.Augment, []
 
     def as_cifar100(args, ctx, crops=2):
@@ -554,21 +545,6 @@ def test_cifar100_is_normalised_with_cifar10_statistics_as_the_authors_code(
     monkeypatch.setattr(common, "Augment", lambda *a: seen.append(a[2:4]) or augment(*a))
     mss.main(smoke_args(tiny_folder, tmp_path / "run", "--dataset", "cifar100", "--epochs", "0"))
     assert seen == [common.STATS["cifar10"]]
-
-
-def test_script_runs_as_python(tiny_folder, tmp_path):
-    args = smoke_args(tiny_folder, tmp_path / "run", "--method", "simco")
-    done = run_script("moco_simmoco_simco.py", args)
-    assert done.returncode == 0, done.stderr[-3000:]
-    check_mss_run_folder(tmp_path / "run", "simco")
-
-
-def test_script_runs_under_torchrun(tiny_folder, tmp_path):
-    args = smoke_args(tiny_folder, tmp_path / "run", "--method", "mocov2", "--queue-size", "48",
-                      "--tau-beta", "1.0")
-    done = run_script("moco_simmoco_simco.py", args, nproc=2)
-    assert done.returncode == 0, done.stderr[-3000:]
-    check_mss_run_folder(tmp_path / "run", "mocov2", world=2)
 
 
 def test_mocov2_plus_resumes_exactly_with_two_queues_that_wrap(tiny_folder, tmp_path):

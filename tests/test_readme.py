@@ -17,7 +17,7 @@ import torch
 import common
 import nnclr_dcl
 import simclr_dcl
-from helpers import METHODS, ROOT, TESTS
+from helpers import METHODS, ROOT, TESTS, readme_quick_start
 
 SCRIPTS = METHODS
 # the paper identities and changes the table must map to code, by words of their row
@@ -72,17 +72,15 @@ def idea_rows():
 def test_the_quick_start_opens_with_a_textures_run_of_every_script(script):
     """Its first commands: T (--dataset textures, a warm-up shorter than the run) and one run of
     each script on it; this script's parses and names the kNN untrained -> trained it reaches."""
-    lines = section(readme(), "## Quick start").splitlines()
-    start = next(i for i, line in enumerate(lines) if line.strip().startswith("T="))
-    t = " ".join(lines[start:start + 2]).split('"')[1].replace("\\", "").split()
-    runs = [line.split("#")[0].split() for line in lines[start + 2:start + 2 + len(SCRIPTS)]]
+    t, lines = readme_quick_start()
+    runs = [line.split("#")[0].split() for line in lines[:len(SCRIPTS)]]
     assert sorted(run[:3] for run in runs) == [["python", f"{s}.py", "$T"] for s in SCRIPTS]
     mine = [run[1] for run in runs].index(f"{script}.py")
     args = importlib.import_module(script).parse_args(t + runs[mine][3:])
     assert args.dataset == "textures" and args.epochs > args.warmup_epochs
     # kNN as the median (range) over seeds, untrained -> trained
     number = r"([\d.]+) \(([\d.]+)-([\d.]+)\)"
-    line = lines[start + 2 + mine]
+    line = lines[mine]
     found = re.search(f"kNN {number} -> {number}", line)
     assert found, line
     for first in (1, 4):  # untrained, trained
