@@ -1175,7 +1175,7 @@ def open_run(args, ctx):
     verdict = [None, None]  # rank 0's: new or continue, a refusal
     if ctx.rank == 0:
         try:
-            verdict = [look_in(args), None]
+            verdict = [prepare_folder(args), None]
         except UserError as error:
             verdict = [None, str(error)]
     if ctx.world > 1:
@@ -1190,9 +1190,9 @@ def open_run(args, ctx):
     return action == "continue"
 
 
-def look_in(args):
-    """new (config.json written), continue or finished; another
-    command's run, refused."""
+def prepare_folder(args):
+    """Rank 0's look in --out -> new (its config.json written),
+    continue or finished; another command's run, refused."""
     ours = json.loads(json.dumps(vars(args)))  # as config.json has it
     path = os.path.join(args.out, "config.json")
     if os.path.exists(path):
